@@ -1,0 +1,1 @@
+"""dflash command-line interface."""

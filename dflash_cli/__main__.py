@@ -1,0 +1,3 @@
+from dflash_cli.app import main
+
+main()

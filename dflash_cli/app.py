@@ -1,0 +1,58 @@
+"""The `dflash` command: thin Typer commands over the runtime (heavy imports stay lazy)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from .commands.run import run
+from .commands.setup import setup
+
+app = typer.Typer(
+    name="dflash",
+    help="Fast local code completion with DFlash block-diffusion speculative decoding.",
+    no_args_is_help=True,
+    pretty_exceptions_show_locals=False,
+    add_completion=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            v = version("dflash")
+        except PackageNotFoundError:
+            v = "0.1.0 (source tree)"
+        typer.echo(f"dflash {v}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Show the version and exit.")
+    ] = False,
+) -> None:
+    """Fast local code completion with DFlash speculative decoding."""
+
+
+app.command("run")(run)
+app.command("setup")(setup)
+
+
+def quiet_libraries() -> None:
+    """Keep transformers' and huggingface_hub's chatter off stderr (errors still surface)."""
+    import os
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def main() -> None:
+    """Console-script entry point."""
+    quiet_libraries()
+    app()

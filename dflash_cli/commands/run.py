@@ -1,0 +1,155 @@
+"""`dflash run`: one completion for shell pipelines.
+
+stdout carries only the generated text (or NDJSON events with --json); everything else goes to
+stderr. Ctrl-C stops after the current verify step, keeps the partial text and exits 130.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from typing import Annotated, Any
+
+import typer
+
+from ..common import (
+    BlockSizeOpt,
+    ColorChoice,
+    DecoderChoice,
+    DecoderOpt,
+    DeviceOpt,
+    DrafterOpt,
+    DtypeChoice,
+    DtypeOpt,
+    MaxTokensOpt,
+    ModelOpt,
+    OfflineOpt,
+    QuantizeOpt,
+    RevisionOpt,
+    SeedOpt,
+    TargetOpt,
+    TemperatureOpt,
+    ThreadsOpt,
+    TopKOpt,
+    TopPOpt,
+    VerifyOpt,
+    load,
+    parse_ids,
+    read_prompt,
+)
+from ..errors import handle_errors
+from ..render import format_stats_line, paint
+
+INTERRUPTED = 130
+
+
+class _SigintCancel:
+    """First Ctrl-C: cancel after the current step; second: raise KeyboardInterrupt at once."""
+
+    def __init__(self, cancel: Any) -> None:
+        self.cancel = cancel
+        self.previous: Any = None
+
+    def __enter__(self) -> _SigintCancel:
+        try:
+            self.previous = signal.signal(signal.SIGINT, self._handler)
+        except ValueError:  # not in the main thread (e.g. some test runners)
+            self.previous = None
+        return self
+
+    def _handler(self, _sig: int, _frame: Any) -> None:
+        if self.cancel.cancelled:
+            raise KeyboardInterrupt
+        self.cancel.cancel()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+
+
+@handle_errors
+def run(
+    prompt: Annotated[
+        str | None, typer.Argument(help="Prompt text; '-' reads stdin; piped stdin is prepended.")
+    ] = None,
+    model: ModelOpt = None,
+    target: TargetOpt = None,
+    drafter: DrafterOpt = None,
+    max_tokens: MaxTokensOpt = 256,
+    temperature: TemperatureOpt = 0.0,
+    top_p: TopPOpt = None,
+    top_k: TopKOpt = None,
+    seed: SeedOpt = 0,
+    block_size: BlockSizeOpt = None,
+    verify_length: VerifyOpt = None,
+    decoder: DecoderOpt = DecoderChoice.dflash,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = DtypeChoice.auto,
+    prompt_ids: Annotated[
+        str | None, typer.Option("--prompt-ids", help="Token ids instead of text, e.g. 1,2,3 (no tokenizer needed).")
+    ] = None,
+    raw: Annotated[bool, typer.Option("--raw", help="Plain completion: no chat template.")] = False,
+    chat: Annotated[bool, typer.Option("--chat", help="Force the chat template.")] = False,
+    system: Annotated[str | None, typer.Option("--system", "-s", help="System prompt (chat mode).")] = None,
+    stop: Annotated[list[str] | None, typer.Option("--stop", help="Stop string (repeatable).")] = None,
+    stats: Annotated[bool, typer.Option("--stats", help="Print a one-line summary to stderr.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Write the event stream as NDJSON on stdout.")] = False,
+    color: Annotated[
+        ColorChoice, typer.Option("--color", help="Colour accepted drafts on a terminal.")
+    ] = ColorChoice.auto,
+    offline: OfflineOpt = False,
+    revision: RevisionOpt = None,
+    quantize: QuantizeOpt = None,
+    threads: ThreadsOpt = None,
+) -> None:
+    """Complete a prompt and stream the text to stdout (for pipes and scripts)."""
+    from runtime import CancelToken, DecodeOptions, InputError, SamplingParams, event_to_json
+
+    if raw and chat:
+        raise typer.BadParameter("--raw and --chat exclude each other")
+    ids = parse_ids(prompt_ids) if prompt_ids else None
+    text = None
+    if ids is None:
+        text = read_prompt(prompt)
+        if not text.strip():
+            raise InputError("the prompt is empty; pass text as an argument, '-' or on stdin")
+    params = SamplingParams(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        max_new_tokens=max_tokens,
+        stop_strings=tuple(stop or ()),
+    )
+    opts = DecodeOptions(decoder=decoder.value, block_size=block_size, verify_length=verify_length)
+    pipe = load(model, target, drafter, device, dtype, offline, revision, quantize, threads)
+    if ids is None:
+        assert text is not None
+        ids = pipe.encode(text, chat=False if raw else (True if chat else None), system=system)
+    use_color = color == ColorChoice.always or (color == ColorChoice.auto and sys.stdout.isatty())
+    out = sys.stdout
+    cancel = CancelToken()
+    finished = None
+    with _SigintCancel(cancel):
+        for event in pipe.stream(ids, params, opts, cancel):
+            if json_out:
+                out.write(json.dumps(event_to_json(event), ensure_ascii=False) + "\n")
+                out.flush()
+            elif event.type == "done":
+                pass
+            else:
+                for tok in event.tokens:
+                    piece = tok.text if pipe.tokenizer is not None else f"{tok.token_id} "
+                    out.write(paint(piece, tok.status.value) if use_color else piece)
+                out.flush()
+            if event.type == "done":
+                finished = event
+    if not json_out and out.isatty():
+        out.write("\n")
+        out.flush()
+    if stats and finished is not None:
+        print(format_stats_line(finished.stats, finished.reason), file=sys.stderr, flush=True)
+    if finished is not None and finished.reason == "cancelled":
+        print("dflash: interrupted", file=sys.stderr, flush=True)
+        raise typer.Exit(code=INTERRUPTED)

@@ -1,0 +1,28 @@
+"""Plain-text rendering helpers shared by commands (no rich needed for stdout)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_ANSI = {"accepted": "\x1b[32m", "target": "", "rejected": "\x1b[2;9m"}
+_RESET = "\x1b[0m"
+
+
+def paint(text: str, status: str) -> str:
+    """Wrap ``text`` in the ANSI colour of a token status (accepted drafts green)."""
+    code = _ANSI.get(status, "")
+    return f"{code}{text}{_RESET}" if code and text else text
+
+
+def format_stats_line(stats: Any, reason: str) -> str:
+    """One-line summary: tokens, time, tok/s, TTFT, tau, acceptance."""
+    line = (
+        f"{stats.generated_tokens} tokens in {stats.total_seconds:.2f}s | {stats.tokens_per_second:.1f} tok/s | "
+        f"TTFT {stats.ttft_seconds * 1000:.0f} ms | {stats.decoder}"
+    )
+    if stats.decoder == "dflash":
+        line += (
+            f" | tau {stats.tau:.2f} | accept {stats.acceptance_rate * 100:.0f}% "
+            f"| block {stats.block_size}, verify {stats.verify_length}"
+        )
+    return line + f" | finish: {reason}"

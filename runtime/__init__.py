@@ -1,0 +1,70 @@
+"""dflash runtime: the DFlash speculative-decoding engine.
+
+The runtime knows nothing about terminals, colours or command lines: it never imports typer,
+click, rich or textual (a test enforces this). The CLI and the TUI call ``load_pipeline`` and
+consume the typed events of ``Pipeline.stream`` / ``Decoder.stream``:
+
+    PrefillDone -> BlockVerified* -> Finished
+
+Every committed token appears once, with its origin (ACCEPTED draft or TARGET token).
+Configuration arrives as frozen dataclasses; nothing here reads environment variables.
+"""
+
+from __future__ import annotations
+
+from .config import DecodeOptions, DFlashConfig, RuntimeConfig, SamplingParams
+from .decoding import AutoregressiveDecoder, CancelToken, Decoder, DFlashDecoder
+from .errors import (
+    ConfigError,
+    DFlashError,
+    EmbeddedModelMissingError,
+    IncompatibleDraftError,
+    InputError,
+    ModelLoadError,
+    ModelNotFoundError,
+    OutOfMemoryError,
+    UnsupportedModelError,
+)
+from .events import (
+    BlockVerified,
+    DecodeEvent,
+    Finished,
+    GenerationStats,
+    PrefillDone,
+    TokenEvent,
+    TokenStatus,
+    event_to_json,
+)
+from .pipeline import LoadOptions, ModelRef, Pipeline, load_pipeline
+
+__all__ = [
+    "AutoregressiveDecoder",
+    "BlockVerified",
+    "CancelToken",
+    "ConfigError",
+    "DFlashConfig",
+    "DFlashDecoder",
+    "DFlashError",
+    "DecodeEvent",
+    "DecodeOptions",
+    "Decoder",
+    "EmbeddedModelMissingError",
+    "Finished",
+    "GenerationStats",
+    "IncompatibleDraftError",
+    "InputError",
+    "LoadOptions",
+    "ModelLoadError",
+    "ModelNotFoundError",
+    "ModelRef",
+    "OutOfMemoryError",
+    "Pipeline",
+    "PrefillDone",
+    "RuntimeConfig",
+    "SamplingParams",
+    "TokenEvent",
+    "TokenStatus",
+    "UnsupportedModelError",
+    "event_to_json",
+    "load_pipeline",
+]

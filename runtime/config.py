@@ -1,0 +1,134 @@
+"""Frozen, validated configuration dataclasses.
+
+Nothing here reads the environment: the CLI reads flags and variables and passes values down.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .errors import ConfigError
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda", "mps")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    Attributes:
+        temperature: 0 means greedy; > 0 samples from the (filtered) target distribution.
+        top_k: keep the k most likely tokens (None or 0: off).
+        top_p: nucleus filter in (0, 1] (None or 1.0: off).
+        seed: seed of the explicit ``torch.Generator`` used for sampling.
+        max_new_tokens: exact upper bound on generated tokens (the stop token included).
+        stop_token_ids: extra ids that end the generation (the model's EOS ids are added by the
+            pipeline unless ``ignore_eos``).
+        stop_strings: text that ends the generation; the output is cut before it.
+        ignore_eos: do not stop on the model's EOS ids (bench uses fixed-length runs).
+    """
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int = 0
+    max_new_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k is not None and self.top_k < 0:
+            raise ConfigError(f"top_k must be >= 0, got {self.top_k}")
+        if self.top_p is not None and not (0.0 < self.top_p <= 1.0):
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if any(not s for s in self.stop_strings):
+            raise ConfigError("stop strings must not be empty")
+
+    @property
+    def greedy(self) -> bool:
+        """True when decoding is deterministic argmax."""
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    """What the drafter was trained with (from its config.json).
+
+    Attributes:
+        block_size: slots per drafter block (anchor + block_size - 1 proposals).
+        mask_token_id: id of the mask token M filling the proposal slots.
+        target_layer_ids: target decoder layers whose outputs feed the drafter.
+        draft_vocab_size: size of the reduced draft vocabulary, or None for the full one.
+    """
+
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    draft_vocab_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
+        if self.mask_token_id < 0:
+            raise ConfigError(f"mask_token_id must be >= 0, got {self.mask_token_id}")
+        if not self.target_layer_ids:
+            raise ConfigError("target_layer_ids must name at least one target layer")
+        if any(i < 0 for i in self.target_layer_ids):
+            raise ConfigError(f"target_layer_ids must be >= 0, got {list(self.target_layer_ids)}")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Where and how models run.
+
+    Attributes:
+        device: "auto", "cpu", "cuda", "cuda:N" or "mps".
+        dtype: "auto", "float32", "bfloat16" or "float16".
+        threads: CPU threads for torch (None: leave torch's default).
+        attn_implementation: passed to transformers ("sdpa" by default, "eager" for references).
+    """
+
+    device: str = "auto"
+    dtype: str = "auto"
+    threads: int | None = None
+    attn_implementation: str = "sdpa"
+
+    def __post_init__(self) -> None:
+        base = self.device.split(":", 1)[0]
+        if base not in DEVICES:
+            raise ConfigError(f"unknown device {self.device!r}; use one of {', '.join(DEVICES)} (or cuda:N)")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"unknown dtype {self.dtype!r}; use one of {', '.join(DTYPES)}")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"threads must be >= 1, got {self.threads}")
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    """Decoder choice, independent of sampling.
+
+    Attributes:
+        decoder: "dflash" (speculative) or "ar" (plain autoregressive, the baseline).
+        block_size: drafter block size override (None: the drafter's own).
+        verify_length: drafts verified per step (None: chosen for the device, see
+            ``runtime.verify_length``). Setting ``block_size`` without it verifies the whole block.
+    """
+
+    decoder: str = "dflash"
+    block_size: int | None = None
+    verify_length: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.decoder not in ("dflash", "ar"):
+            raise ConfigError(f"unknown decoder {self.decoder!r}; use 'dflash' or 'ar'")
+        if self.block_size is not None and self.block_size < 1:
+            raise ConfigError(f"block size must be >= 1, got {self.block_size}")
+        if self.verify_length is not None and self.verify_length < 0:
+            raise ConfigError(f"verify length must be >= 0, got {self.verify_length}")

@@ -1,0 +1,274 @@
+"""The DFlash decode loop (batch 1); with block size 1 it is plain autoregressive decoding.
+
+Per step: the drafter proposes a block in one forward, the target verifies the first K drafts in
+one forward, the longest agreeing prefix plus the target's own next token are committed, and both
+KV caches are cropped (DFLASH.md, "Decode loop").
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..cache import DraftKVCache
+from ..config import ConfigError, SamplingParams
+from ..detok import TextAssembler, TokenizerLike
+from ..draft_model import DFlashDraftModel
+from ..errors import InputError, OutOfMemoryError
+from ..events import BlockVerified, DecodeEvent, Finished, FinishReason, PrefillDone, TokenEvent, TokenStatus
+from ..sampling import sample
+from ..target import TargetModel
+from ..verify import accept_prefix
+from ..verify_length import FixedVerifyLength, VerifyLengthPolicy
+from .base import CancelToken, StatsRecorder
+
+
+class DraftHead:
+    """The target's lm_head, optionally restricted to the drafter's reduced vocabulary."""
+
+    def __init__(self, target: TargetModel, drafter: DFlashDraftModel) -> None:
+        weight = target.lm_head.weight
+        bias = getattr(target.lm_head, "bias", None)
+        ids = drafter.draft_vocab_ids
+        if ids is not None:
+            ids = ids.to(weight.device)
+            weight = weight[ids]
+            bias = bias[ids] if bias is not None else None
+        self.weight, self.bias, self.ids = weight, bias, ids
+
+    def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Greedy draft ids for hidden states [K, D] -> [K] (ids in the full vocabulary)."""
+        best = torch.argmax(F.linear(hidden, self.weight, self.bias), dim=-1)
+        return self.ids[best] if self.ids is not None else best
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+class DFlashDecoder:
+    """Speculative decoder: DFlash drafter + target verification.
+
+    Args:
+        target: the wrapped target model.
+        drafter: the drafter, or None for plain decoding (block size 1).
+        tokenizer: used for text deltas and stop strings (None: text is "").
+        block_size: drafter block length (default: the drafter's own; 1 = plain decoding).
+        verify: how many drafts to verify per step (default: the whole block).
+        stop_token_ids: ids that end the generation (EOS ids, added by the pipeline).
+    """
+
+    name = "dflash"
+
+    def __init__(
+        self,
+        target: TargetModel,
+        drafter: DFlashDraftModel | None,
+        tokenizer: TokenizerLike | None = None,
+        *,
+        block_size: int | None = None,
+        verify: VerifyLengthPolicy | None = None,
+        stop_token_ids: Sequence[int] = (),
+    ) -> None:
+        if block_size is None:
+            block_size = drafter.dflash.block_size if drafter is not None else 1
+        if block_size < 1:
+            raise ConfigError(f"block size must be >= 1, got {block_size}")
+        if block_size > 1 and drafter is None:
+            raise ConfigError(f"block size {block_size} needs a drafter; use --decoder ar or name a drafter")
+        self.target = target
+        self.drafter = drafter if block_size > 1 else None
+        self.tokenizer = tokenizer
+        self.block_size = block_size
+        self.verify = verify or FixedVerifyLength(block_size - 1)
+        self.stop_token_ids = frozenset(int(i) for i in stop_token_ids)
+        self.head: DraftHead | None = None
+        if self.drafter is not None:
+            target.set_taps(self.drafter.dflash.target_layer_ids)
+            self.head = DraftHead(target, self.drafter)
+            self.mask_id = self.drafter.dflash.mask_token_id
+            self._sliding = any(layer.self_attn.sliding_window for layer in self.drafter.layers)
+
+    def stream(
+        self, prompt_ids: Sequence[int], params: SamplingParams, cancel: CancelToken | None = None
+    ) -> Iterator[DecodeEvent]:
+        """Generate from ``prompt_ids`` and yield typed events.
+
+        Args:
+            prompt_ids: prompt token ids (at least one).
+            params: sampling and stopping.
+            cancel: optional token; checked between verify steps.
+
+        Yields:
+            ``PrefillDone``, ``BlockVerified`` per verify step, ``Finished``.
+
+        Raises:
+            InputError: empty prompt or a prompt that fills the target's context.
+            OutOfMemoryError: the device ran out of memory.
+        """
+        try:
+            yield from self._stream(list(prompt_ids), params, cancel)
+        except torch.OutOfMemoryError as e:
+            raise OutOfMemoryError(
+                f"out of memory on {self.target.device}: {str(e).splitlines()[0]}; try a shorter prompt, "
+                "fewer --max-tokens, --dtype bfloat16, --quantize int8 or a smaller model"
+            ) from e
+
+    def propose(
+        self,
+        anchor: int,
+        start: int,
+        k: int,
+        pending: torch.Tensor | None,
+        d_cache: DraftKVCache | None,
+        committed: Sequence[int],
+    ) -> torch.Tensor:
+        """Draft ``k`` tokens after ``anchor`` (at position ``start``) in one drafter forward.
+
+        Args:
+            anchor: the last committed token, not yet seen by the target.
+            start: its absolute position.
+            k: drafts wanted (<= block_size - 1).
+            pending: [1, C, n*D] target features not yet in the drafter cache.
+            d_cache: drafter KV cache (holds context entries < start - C).
+            committed: prompt + committed ids so far (unused here; oracle drafters in tests use it).
+
+        Returns:
+            [k] draft ids on the target's device.
+        """
+        assert self.drafter is not None and self.head is not None and d_cache is not None and pending is not None
+        b, device = self.block_size, self.target.device
+        block_ids = torch.full((1, b), self.mask_id, dtype=torch.long, device=device)  # [1, b]
+        block_ids[0, 0] = anchor
+        ctx = self.drafter.fuse_context(pending)  # [1, C, D]
+        positions = torch.arange(d_cache.seq_len, start + b, device=device).unsqueeze(0)  # [1, C + b]
+        key_pos = torch.arange(0, start + b, device=device) if self._sliding else None
+        hidden = self.drafter(self.target.embed(block_ids), ctx, positions, cache=d_cache, key_positions=key_pos)
+        d_cache.crop(start)  # keep context entries only; the block never stays cached
+        return self.head.argmax(hidden[0, 1 : 1 + k])
+
+    @torch.inference_mode()
+    def _stream(self, prompt: list[int], params: SamplingParams, cancel: CancelToken | None) -> Iterator[DecodeEvent]:
+        target, device = self.target, self.target.device
+        n_prompt = len(prompt)
+        if n_prompt == 0:
+            raise InputError("the prompt is empty; give some text (or --prompt-ids)")
+        limit = target.max_positions
+        if limit is not None and n_prompt >= limit:
+            raise InputError(f"the prompt has {n_prompt} tokens but the target's context is {limit} tokens; shorten it")
+        if any(not (0 <= t < target.vocab_size) for t in prompt):
+            raise InputError(f"prompt ids must be in [0, {target.vocab_size}), got {max(prompt)}")
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.stop_token_ids)
+        gen = None if params.greedy else torch.Generator(device=device).manual_seed(params.seed)
+        asm = TextAssembler(self.tokenizer, params.stop_strings, context_ids=prompt)
+        rec = StatsRecorder(n_prompt, self.block_size, "dflash" if self.drafter is not None else "ar")
+        max_new = params.max_new_tokens
+        if limit is not None:
+            max_new = min(max_new, limit - n_prompt)
+
+        def commit(
+            ids: Sequence[int], statuses: Sequence[TokenStatus], last: bool
+        ) -> tuple[list[TokenEvent], FinishReason | None]:
+            """Turn committed ids into token events; stop at a stop id, a stop string or the length."""
+            events: list[TokenEvent] = []
+            reason: FinishReason | None = None
+            for tok, status in zip(ids, statuses, strict=True):
+                if tok in stop_ids:
+                    events.append(TokenEvent(tok, "", status))
+                    reason = "stop"
+                    break
+                text, hit = asm.push(tok)
+                events.append(TokenEvent(tok, text, status))
+                if hit:
+                    reason = "stop"
+                    break
+            if reason is None and last:
+                reason = "length"
+            if reason is not None and events:
+                tail = asm.finish()
+                if tail:
+                    e = events[-1]
+                    events[-1] = TokenEvent(e.token_id, e.text + tail, e.status)
+            return events, reason
+
+        # 1. Prefill: target on the prompt, capture features of every position, first token.
+        t_cache = target.new_cache()
+        ids = torch.tensor([prompt], dtype=torch.long, device=device)  # [1, P]
+        logits, feats = target.forward(ids, t_cache, logits_to_keep=1, capture=self.drafter is not None)
+        first = int(sample(logits[-1:], params, gen).item())
+        _sync(device)
+        ttft = time.perf_counter() - rec.t0
+        events, reason = commit([first], [TokenStatus.TARGET], last=max_new <= 1)
+        rec.prefill(ttft, len(events))
+        yield PrefillDone(prompt_tokens=n_prompt, seconds=ttft, tokens=tuple(events))
+
+        d_cache = DraftKVCache(len(self.drafter.layers)) if self.drafter is not None else None
+        committed = list(prompt) + [first]
+        pending = feats  # [1, C, n*D] target features not yet in the drafter cache
+        start, anchor = n_prompt, first
+        while reason is None:
+            if cancel is not None and cancel.cancelled:
+                reason = "cancelled"
+                break
+            t_step = time.perf_counter()
+            remaining = max_new - rec.generated
+            planned = min(self.verify.length(), self.block_size - 1)
+            k = min(planned, remaining - 1)
+            if limit is not None:
+                k = min(k, limit - start - 1)
+            k = max(k, 0)
+
+            # 2. Draft: one drafter forward over [anchor, M, ..., M] at positions start..start+b-1.
+            draft = torch.empty(0, dtype=torch.long, device=device)
+            if k > 0:
+                draft = self.propose(anchor, start, k, pending, d_cache, committed)  # [k]
+                pending = pending[:, :0] if pending is not None else None
+
+            # 3. Verify: one target forward over [anchor, d_1..d_k] at positions start..start+k.
+            verify_ids = torch.cat([torch.tensor([anchor], device=device), draft]).unsqueeze(0)  # [1, k+1]
+            logits, feats = target.forward(verify_ids, t_cache, capture=self.drafter is not None)
+            posterior = sample(logits, params, gen)  # [k+1]
+            host = torch.cat([draft, posterior]).tolist()  # the one host sync of the step
+            draft_list, post_list = host[:k], host[k:]
+
+            # 4. Accept the longest matching prefix, plus the target's own next token.
+            a = accept_prefix(draft_list, post_list)
+            new_ids = draft_list[:a] + [post_list[a]]
+            statuses = [TokenStatus.ACCEPTED] * a + [TokenStatus.TARGET]
+            events, reason = commit(new_ids, statuses, last=rec.generated + a + 1 >= max_new)
+
+            # 5. Roll back: the target cache keeps anchor + accepted drafts; the bonus is the next anchor.
+            start += a + 1
+            target.crop(t_cache, start)
+            if feats is not None:
+                pending = torch.cat([pending, feats[:, : a + 1]], dim=1) if pending is not None else feats[:, : a + 1]
+            anchor = post_list[a]
+            committed.extend(new_ids)
+            rec.step(drafted=k, accepted=a, committed=len(events), planned=planned)
+            self.verify.observe(k, a)
+            draft_text = tuple(asm.decode_one(t) for t in draft_list) if self.tokenizer is not None else ("",) * k
+            yield BlockVerified(
+                draft=tuple(draft_list),
+                draft_text=draft_text,
+                accepted=a,
+                tokens=tuple(events),
+                seconds=time.perf_counter() - t_step,
+            )
+        yield Finished(reason=reason, stats=rec.finish())
+
+
+class AutoregressiveDecoder(DFlashDecoder):
+    """Plain decoding: the same loop with a block of one token and no drafter."""
+
+    name = "ar"
+
+    def __init__(
+        self, target: TargetModel, tokenizer: TokenizerLike | None = None, *, stop_token_ids: Sequence[int] = ()
+    ) -> None:
+        super().__init__(target, None, tokenizer, block_size=1, stop_token_ids=stop_token_ids)

@@ -1,0 +1,76 @@
+"""Device and dtype resolution ("auto" picks sensibly per device)."""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import ConfigError
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    """Map "auto"/"cpu"/"cuda[:N]"/"mps" to an available ``torch.device``.
+
+    Raises:
+        ConfigError: the device is not available on this machine.
+    """
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            f"device {name!r} requested but CUDA is not available (torch {torch.__version__}); use --device cpu"
+        )
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"device {name!r} requested but MPS is not available; use --device cpu")
+    return dev
+
+
+def cpu_has_fast_bf16() -> bool:
+    """True when oneDNN reports native bf16 support (AVX512-BF16 / AMX)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """Map a dtype name to a ``torch.dtype``; "auto" = bf16 on CUDA (fp16 without bf16), fp16 on
+    MPS, bf16 on CPUs with native bf16 and float32 on others.
+
+    Raises:
+        ConfigError: an unknown name, or float16 on CPU (too slow and inexact there).
+    """
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        if device.type == "mps":
+            return torch.float16
+        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+    if name not in _DTYPES:
+        raise ConfigError(f"unknown dtype {name!r}; use auto, float32, bfloat16 or float16")
+    if name == "float16" and device.type == "cpu":
+        raise ConfigError("float16 is not supported on CPU; use --dtype bfloat16 or float32")
+    return _DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """ "bfloat16" for torch.bfloat16 etc."""
+    return str(dtype).removeprefix("torch.")
+
+
+def device_description(device: torch.device) -> str:
+    """Human name of the device (GPU model or CPU capability)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "mps":
+        return "Apple MPS"
+    import platform
+
+    cap = torch.backends.cpu.get_cpu_capability()
+    return f"{platform.processor() or platform.machine()} CPU ({cap}, {torch.get_num_threads()} threads)"

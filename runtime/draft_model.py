@@ -1,0 +1,455 @@
+"""The DFlash drafter: a few Qwen3-style decoder layers conditioned on target hidden states.
+
+Loads the published z-lab checkpoint layout as it is (config.json + safetensors, no remote code):
+``layers.{i}.self_attn.{q,k,v,o}_proj``, ``{q,k}_norm``, ``mlp.{gate,up,down}_proj``,
+``{input,post_attention}_layernorm``, ``fc`` [D, n*D], ``hidden_norm``, ``norm``. There is no
+embedding and no lm_head: the drafter borrows the target's (DFLASH.md).
+
+One forward: block embeddings [x_anchor, M, ..., M] give the queries; keys and values come from
+the fused target context C = hidden_norm(fc(concat(features))) followed by the block itself.
+Within a step there is no mask (bidirectional block, all context visible) except a sliding
+window for ``sliding_attention`` layers. Training passes an explicit block-sparse mask.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cache import DraftKVCache
+from .config import DFlashConfig
+from .errors import ModelLoadError
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Target layers tapped when a drafter config does not list them (DFLASH.md formula).
+
+    One drafter layer taps the middle layer; n > 1 layers tap n ids spread evenly from 1 to
+    L_t - 3 with Python's round (half to even).
+
+    Args:
+        num_target_layers: L_t, decoder layers of the target.
+        num_draft_layers: n, decoder layers of the drafter.
+
+    Returns:
+        The layer ids, ascending.
+    """
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    return [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+@dataclass(frozen=True)
+class DraftModelConfig:
+    """Architecture of a drafter, parsed from its config.json."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    vocab_size: int
+    num_target_layers: int
+    layer_types: tuple[str, ...]
+    sliding_window: int | None
+    attention_bias: bool
+    hidden_act: str
+    dflash: DFlashConfig
+    raw: dict[str, Any]
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> DraftModelConfig:
+        """Parse a drafter config.json dict (``dflash_config`` nested or at top level)."""
+        try:
+            n_layers = int(cfg["num_hidden_layers"])
+            hidden = int(cfg["hidden_size"])
+            heads = int(cfg["num_attention_heads"])
+            nested = cfg.get("dflash_config") or {}
+            mask_id = nested.get("mask_token_id", cfg.get("mask_token_id"))
+            layer_ids = nested.get("target_layer_ids", cfg.get("target_layer_ids"))
+            n_target = cfg.get("num_target_layers", nested.get("num_target_layers"))
+            block = cfg.get("block_size", nested.get("block_size"))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ModelLoadError(f"drafter config.json lacks a required field ({e}); is this a DFlash drafter?") from e
+        if mask_id is None:
+            raise ModelLoadError("drafter config.json has no mask_token_id (dflash_config.mask_token_id)")
+        if block is None:
+            raise ModelLoadError("drafter config.json has no block_size")
+        if layer_ids is None:
+            if n_target is None:
+                raise ModelLoadError("drafter config.json has neither target_layer_ids nor num_target_layers")
+            layer_ids = default_target_layer_ids(int(n_target), n_layers)
+        layer_types = cfg.get("layer_types") or ["full_attention"] * n_layers
+        if len(layer_types) != n_layers:
+            raise ModelLoadError(f"drafter layer_types has {len(layer_types)} entries for {n_layers} layers")
+        sliding = cfg.get("sliding_window")
+        draft_vocab = nested.get("draft_vocab_size", cfg.get("draft_vocab_size"))
+        return cls(
+            hidden_size=hidden,
+            num_hidden_layers=n_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads", heads)),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            intermediate_size=int(cfg["intermediate_size"]),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            vocab_size=int(cfg["vocab_size"]),
+            num_target_layers=int(n_target) if n_target is not None else -1,
+            layer_types=tuple(layer_types),
+            sliding_window=int(sliding) if sliding else None,
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            hidden_act=str(cfg.get("hidden_act", "silu")),
+            dflash=DFlashConfig(
+                block_size=int(block),
+                mask_token_id=int(mask_id),
+                target_layer_ids=tuple(int(i) for i in layer_ids),
+                draft_vocab_size=int(draft_vocab) if draft_vocab else None,
+            ),
+            raw=dict(cfg),
+        )
+
+    def rotary_config(self) -> Any:
+        """A transformers Qwen3Config carrying the RoPE settings (theta, scaling) of the drafter."""
+        from transformers import Qwen3Config
+
+        keys = ("rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings", "partial_rotary_factor")
+        kw = {k: self.raw[k] for k in keys if self.raw.get(k) is not None}
+        return Qwen3Config(
+            hidden_size=self.hidden_size,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            **kw,
+        )
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm with a learned scale, computed in float32 (as Qwen3)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [B, H, T, hd]; cos/sin: [B, T, hd]
+    return x * cos.unsqueeze(1) + _rotate_half(x) * sin.unsqueeze(1)
+
+
+class DraftAttention(nn.Module):
+    """Queries from the block; keys/values from [context ; block] through the same projections."""
+
+    def __init__(self, cfg: DraftModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        d, hd = cfg.hidden_size, cfg.head_dim
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
+        self.q_proj = nn.Linear(d, self.n_heads * hd, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(d, self.n_kv * hd, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(d, self.n_kv * hd, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.n_heads * hd, d, bias=False)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        sliding = cfg.layer_types[layer_idx] == "sliding_attention"
+        self.sliding_window = cfg.sliding_window if sliding else None
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        ctx: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: DraftKVCache | None,
+    ) -> torch.Tensor:
+        """Attend from block queries to context + block keys.
+
+        Args:
+            h: [B, Q, D] normalised block hidden states.
+            ctx: [B, C, D] fused context not yet in the cache (C may be 0).
+            cos, sin: [B, C + Q, hd] RoPE tables for the context then the block positions.
+            mask: optional boolean [B or 1, 1, Q, K_total] (True = may attend), K_total counting
+                cached entries first.
+            cache: the drafter KV cache (inference) or None (training).
+
+        Returns:
+            [B, Q, D].
+        """
+        b, q_len, _ = h.shape
+        c_len = ctx.shape[1]
+        q = self.q_norm(self.q_proj(h).view(b, q_len, self.n_heads, self.head_dim)).transpose(1, 2)
+        kv_in = torch.cat([ctx, h], dim=1) if c_len else h
+        k = self.k_norm(self.k_proj(kv_in).view(b, c_len + q_len, self.n_kv, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(kv_in).view(b, c_len + q_len, self.n_kv, self.head_dim).transpose(1, 2)
+        q = _rope(q, cos[:, -q_len:], sin[:, -q_len:])
+        k = _rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v)
+        if self.n_kv != self.n_heads:
+            rep = self.n_heads // self.n_kv
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim**-0.5)
+        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.n_heads * self.head_dim))
+
+
+class DraftMLP(nn.Module):
+    """SwiGLU feed-forward block."""
+
+    def __init__(self, cfg: DraftModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        if cfg.hidden_act not in ("silu", "swish"):
+            raise ModelLoadError(f"drafter hidden_act {cfg.hidden_act!r} is not supported (only silu)")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    """Pre-norm decoder layer; the context only feeds keys and values."""
+
+    def __init__(self, cfg: DraftModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = DraftAttention(cfg, layer_idx)
+        self.mlp = DraftMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        ctx: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: DraftKVCache | None,
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), ctx, cos, sin, mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashDraftModel(nn.Module):
+    """The drafter network (no embedding, no head: both are borrowed from the target).
+
+    Attributes:
+        config: parsed architecture.
+        draft_vocab_ids: optional [V_d] int64 buffer: the reduced draft vocabulary (EAGLE-3 style).
+    """
+
+    def __init__(self, config: DraftModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        d = config.hidden_size
+        n_taps = len(config.dflash.target_layer_ids)
+        self.layers = nn.ModuleList(DraftLayer(config, i) for i in range(config.num_hidden_layers))
+        self.fc = nn.Linear(n_taps * d, d, bias=False)
+        self.hidden_norm = RMSNorm(d, config.rms_norm_eps)
+        self.norm = RMSNorm(d, config.rms_norm_eps)
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+        # Kept out of the module tree so that ``.to(dtype)`` never casts inv_freq (stays float32).
+        self._rotary: list[nn.Module] = [Qwen3RotaryEmbedding(config.rotary_config())]
+        self.draft_vocab_ids: torch.Tensor | None
+        self.register_buffer("draft_vocab_ids", None, persistent=True)
+
+    @property
+    def dflash(self) -> DFlashConfig:
+        """Block size, mask id and target layer ids."""
+        return self.config.dflash
+
+    def fuse_context(self, features: torch.Tensor) -> torch.Tensor:
+        """C = hidden_norm(fc(concat features)): [B, T, n*D] -> [B, T, D]."""
+        return self.hidden_norm(self.fc(features))
+
+    def sliding_mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
+        """Boolean [1, 1, Q, K] mask keeping keys within ``window`` positions of each query."""
+        diff = q_pos.view(-1, 1) - k_pos.view(1, -1)
+        return (diff < window).view(1, 1, q_pos.numel(), k_pos.numel())
+
+    def forward(
+        self,
+        block_embeds: torch.Tensor,
+        context: torch.Tensor,
+        position_ids: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        cache: DraftKVCache | None = None,
+        key_positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run the drafter layers.
+
+        Args:
+            block_embeds: [B, Q, D] target embeddings of the block ids (anchor, masks...).
+            context: [B, C, D] fused context features (``fuse_context``) not yet cached.
+            position_ids: [B, C + Q] absolute positions of the new context then the block.
+            mask: optional boolean attention mask [B or 1, 1, Q, K] (training layout).
+            cache: drafter KV cache at inference; new context and block K/V are appended (the
+                caller crops the block back out).
+            key_positions: [K] absolute positions of every key (cached + new), only needed for
+                sliding-window layers at inference.
+
+        Returns:
+            [B, Q, D] final-normed hidden states; logits come from the target head.
+        """
+        h = block_embeds
+        rotary = self._rotary[0]
+        if rotary.inv_freq.device != h.device:
+            self._rotary[0] = rotary = rotary.to(h.device)
+        cos, sin = rotary(h, position_ids)
+        q_pos = position_ids[0, context.shape[1] :]
+        for layer in self.layers:
+            layer_mask = mask
+            window = layer.self_attn.sliding_window
+            if window is not None and key_positions is not None:
+                wmask = self.sliding_mask(q_pos, key_positions, window)
+                layer_mask = wmask if layer_mask is None else (layer_mask & wmask)
+            h = layer(h, context, cos, sin, layer_mask, cache)
+        return self.norm(h)
+
+
+def _normalise_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    ignored = ("embed_tokens.weight", "lm_head.weight", "rotary_emb.inv_freq")
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        k = key
+        for prefix in ("model.", "drafter.", "draft_model."):
+            if k.startswith(prefix):
+                k = k[len(prefix) :]
+        if k.endswith(ignored):
+            continue
+        out[k] = value
+    return out
+
+
+def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Read every safetensors shard of a folder (single file or index).
+
+    Raises:
+        ModelLoadError: no weights, or a shard that is truncated or corrupt.
+    """
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [folder / s for s in shards]
+    if not files:
+        raise ModelLoadError(f"no .safetensors weights in {folder} (pickle weights are not loaded)")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        if not f.exists():
+            raise ModelLoadError(f"missing weight shard {f}; re-download the model (dflash download)")
+        try:
+            state.update(load_file(str(f)))
+        except Exception as e:  # safetensors raises its own SafetensorError / OSError types
+            raise ModelLoadError(
+                f"cannot read {f}: truncated or corrupt safetensors ({e}); re-download the model"
+            ) from e
+    return state
+
+
+def load_draft_model(
+    path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> DFlashDraftModel:
+    """Load a drafter folder (config.json + safetensors) as published, without remote code.
+
+    Args:
+        path: local folder.
+        device: target device.
+        dtype: floating dtype for the weights.
+
+    Returns:
+        The drafter in eval mode.
+
+    Raises:
+        ModelLoadError: missing/corrupt files or weights that do not match the config.
+    """
+    folder = Path(path)
+    cfg_path = folder / "config.json"
+    if not cfg_path.exists():
+        raise ModelLoadError(f"{folder} has no config.json; a DFlash drafter folder needs config.json + safetensors")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{cfg_path} is not valid JSON ({e})") from e
+    config = DraftModelConfig.from_dict(raw)
+    model = DFlashDraftModel(config)
+    state = _normalise_keys(read_safetensors(folder))
+    vocab_ids = state.pop("draft_vocab_ids", None)
+    expected = {k for k in model.state_dict() if k != "draft_vocab_ids"}
+    missing = sorted(expected - state.keys())
+    unexpected = sorted(state.keys() - expected)
+    if missing or unexpected:
+        raise ModelLoadError(
+            f"drafter weights in {folder} do not match its config: missing {missing[:4]}, unexpected {unexpected[:4]}"
+        )
+    for k, v in model.state_dict().items():
+        if k in state and state[k].shape != v.shape:
+            raise ModelLoadError(
+                f"drafter weight {k} has shape {tuple(state[k].shape)}, config implies {tuple(v.shape)}"
+            )
+    model.load_state_dict(state, strict=False)
+    if vocab_ids is not None:
+        model.draft_vocab_ids = vocab_ids.to(torch.long)
+    elif config.dflash.draft_vocab_size:
+        raise ModelLoadError(f"{folder}: config declares draft_vocab_size but the weights lack draft_vocab_ids")
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def save_draft_model(model: DFlashDraftModel, path: str | Path, extra_config: dict[str, Any] | None = None) -> None:
+    """Save a drafter in the published layout (config.json + model.safetensors).
+
+    Args:
+        model: the drafter.
+        path: output folder (created).
+        extra_config: keys merged into config.json (e.g. training metadata).
+    """
+    from safetensors.torch import save_file
+
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = dict(model.config.raw)
+    dconf = dict(cfg.get("dflash_config") or {})
+    dconf.update(
+        mask_token_id=model.dflash.mask_token_id,
+        target_layer_ids=list(model.dflash.target_layer_ids),
+    )
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items() if k != "draft_vocab_ids"}
+    if model.draft_vocab_ids is not None:
+        state["draft_vocab_ids"] = model.draft_vocab_ids.detach().cpu().to(torch.long).contiguous()
+        dconf["draft_vocab_size"] = int(model.draft_vocab_ids.numel())
+    else:
+        dconf.pop("draft_vocab_size", None)
+    cfg["dflash_config"] = dconf
+    cfg["block_size"] = model.dflash.block_size
+    cfg.setdefault("architectures", ["DFlashDraftModel"])
+    if extra_config:
+        cfg.update(extra_config)
+    tmp = folder / "model.safetensors.tmp"
+    save_file(state, str(tmp), metadata={"format": "pt"})
+    tmp.replace(folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,189 @@
+"""Typed events that every decoder yields, in order: one ``PrefillDone``, any number of
+``BlockVerified``, then one ``Finished``.
+
+Every committed token appears exactly once across the ``tokens`` of ``PrefillDone`` and the
+``BlockVerified`` events, in output order. Rejected drafts ride along in ``BlockVerified`` for
+display only and never enter the output text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import Any, Literal
+
+FinishReason = Literal["stop", "length", "cancelled"]
+
+
+class TokenStatus(str, Enum):
+    """Origin of a committed token."""
+
+    ACCEPTED = "accepted"  # drafted by the drafter and verified by the target
+    TARGET = "target"  # chosen by the target itself (first token, bonus/correction, plain decoding)
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One committed token and the text it adds to the output (may be "" mid-character)."""
+
+    token_id: int
+    text: str
+    status: TokenStatus
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON form used by ``dflash run --json`` and the server."""
+        return {"id": self.token_id, "text": self.text, "status": self.status.value}
+
+
+@dataclass(frozen=True)
+class PrefillDone:
+    """The prompt went through the target; the first generated token is known.
+
+    Attributes:
+        prompt_tokens: number of prompt tokens.
+        seconds: time to first token (prefill + first sample), device-synchronised.
+        tokens: the first generated token (status TARGET); empty if it was a stop token only
+            visible as the end of the generation.
+    """
+
+    prompt_tokens: int
+    seconds: float
+    tokens: tuple[TokenEvent, ...]
+
+    type: Literal["prefill"] = field(default="prefill", init=False)
+
+    @property
+    def text(self) -> str:
+        """Text added to the output by this event."""
+        return "".join(t.text for t in self.tokens)
+
+
+@dataclass(frozen=True)
+class BlockVerified:
+    """One verify step of the target.
+
+    Attributes:
+        draft: the drafted ids the target verified, in order (empty for plain decoding).
+        draft_text: display text of each drafted id, decoded on its own.
+        accepted: how many leading drafts the target accepted.
+        tokens: newly committed tokens: the accepted drafts (ACCEPTED) then the target's own
+            token (TARGET), possibly cut short by a stop token, a stop string or the length limit.
+        seconds: wall time of this step (draft + verify), device-synchronised.
+    """
+
+    draft: tuple[int, ...]
+    draft_text: tuple[str, ...]
+    accepted: int
+    tokens: tuple[TokenEvent, ...]
+    seconds: float
+
+    type: Literal["block"] = field(default="block", init=False)
+
+    @property
+    def rejected(self) -> tuple[int, ...]:
+        """Drafted ids the target rejected (display only)."""
+        return self.draft[self.accepted :]
+
+    @property
+    def rejected_text(self) -> tuple[str, ...]:
+        """Display text of the rejected drafts."""
+        return self.draft_text[self.accepted :]
+
+    @property
+    def text(self) -> str:
+        """Text added to the output by this event."""
+        return "".join(t.text for t in self.tokens)
+
+
+@dataclass(frozen=True)
+class GenerationStats:
+    """Totals of one generation.
+
+    Attributes:
+        prompt_tokens: prompt length in tokens.
+        generated_tokens: committed tokens (stop token included when one ended the run).
+        ttft_seconds: time to first token.
+        total_seconds: wall time from start to finish.
+        tokens_per_second: generated tokens / total time (end to end, prefill included).
+        decode_tokens_per_second: tokens after the first / time after the first token.
+        verify_steps: target verify forwards after prefill.
+        drafted_tokens: drafts proposed to the target.
+        accepted_tokens: drafts the target accepted.
+        tau: mean tokens committed per verify step, bonus included (1.0 for plain decoding).
+        acceptance_rate: accepted / drafted (0.0 when nothing was drafted).
+        per_position_acceptance: for draft slot k (index k-1), the share of steps that verified
+            slot k in which drafts 1..k were all accepted.
+        acceptance_histogram: entry i counts verify steps that accepted exactly i drafts.
+        block_size: drafter block size (1 for plain decoding).
+        verify_length: drafts verified per step (the last value used).
+        decoder: "dflash" or "ar".
+    """
+
+    prompt_tokens: int
+    generated_tokens: int
+    ttft_seconds: float
+    total_seconds: float
+    tokens_per_second: float
+    decode_tokens_per_second: float
+    verify_steps: int
+    drafted_tokens: int
+    accepted_tokens: int
+    tau: float
+    acceptance_rate: float
+    per_position_acceptance: tuple[float, ...]
+    acceptance_histogram: tuple[int, ...]
+    block_size: int
+    verify_length: int
+    decoder: str
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain-JSON form (lists instead of tuples)."""
+        d = asdict(self)
+        d["per_position_acceptance"] = list(self.per_position_acceptance)
+        d["acceptance_histogram"] = list(self.acceptance_histogram)
+        return d
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The generation ended.
+
+    Attributes:
+        reason: "stop" (EOS, stop id or stop string), "length" (max tokens or context full),
+            or "cancelled" (the caller asked to stop).
+        stats: totals of the generation.
+    """
+
+    reason: FinishReason
+    stats: GenerationStats
+
+    type: Literal["done"] = field(default="done", init=False)
+
+
+DecodeEvent = PrefillDone | BlockVerified | Finished
+
+
+def event_to_json(event: DecodeEvent) -> dict[str, Any]:
+    """Serialise an event to the NDJSON contract of ``dflash run --json``.
+
+    Lines have ``"type"`` in {"prefill", "block", "done"}; prefill and block carry ``"tokens"``
+    as ``{"id", "text", "status"}``; block also carries ``"draft"`` and ``"accepted"``; done
+    carries ``"reason"`` and ``"stats"``.
+    """
+    if isinstance(event, PrefillDone):
+        return {
+            "type": "prefill",
+            "prompt_tokens": event.prompt_tokens,
+            "ttft": event.seconds,
+            "tokens": [t.to_json() for t in event.tokens],
+        }
+    if isinstance(event, BlockVerified):
+        return {
+            "type": "block",
+            "draft": list(event.draft),
+            "accepted": event.accepted,
+            "tokens": [t.to_json() for t in event.tokens],
+            "rejected_text": list(event.rejected_text),
+            "seconds": event.seconds,
+        }
+    return {"type": "done", "reason": event.reason, "stats": event.stats.to_json()}

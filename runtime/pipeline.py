@@ -1,0 +1,389 @@
+"""Load a target + drafter pair and turn prompts into event streams.
+
+``load_pipeline`` resolves what the user named (a preset, Hub ids, local folders, or nothing: the
+embedded default), checks the pair from its configs before loading weights, loads both models on
+the chosen device and dtype, and returns a ``Pipeline``. ``Pipeline.stream`` is the one call the
+CLI, the TUI, bench and the server make.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import embedded, presets
+from .compat import ensure_compatible
+from .config import DecodeOptions, RuntimeConfig, SamplingParams
+from .decoding import AutoregressiveDecoder, CancelToken, Decoder, DFlashDecoder
+from .device import dtype_name, resolve_device, resolve_dtype
+from .draft_model import DFlashDraftModel, DraftModelConfig, load_draft_model
+from .errors import ConfigError, InputError, ModelLoadError, UnsupportedModelError
+from .events import DecodeEvent
+from .hub import resolve_model
+from .target import TargetModel
+from .verify_length import DEFAULT_COST, AdaptiveVerifyLength, FixedVerifyLength, VerifyLengthPolicy
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """What the user named. All None means the embedded default pair.
+
+    Attributes:
+        preset: a preset name (``runtime.presets``).
+        target: Hub id or local folder of the target (overrides the preset's).
+        drafter: Hub id or local folder of the drafter (overrides the preset's); "none" for no drafter.
+    """
+
+    preset: str | None = None
+    target: str | None = None
+    drafter: str | None = None
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """Where models come from.
+
+    Attributes:
+        models_dir: dflash's own model folder (the embedded target is converted there).
+        hf_cache_dir: Hugging Face cache (None: huggingface_hub's default).
+        offline: never use the network.
+        revision: Hub revision for both models.
+        token: Hub token (gated repos).
+        quantize: on-the-fly weight-only quantization scheme for the target (None: off).
+    """
+
+    models_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "dflash" / "models")
+    hf_cache_dir: Path | None = None
+    offline: bool = False
+    revision: str | None = None
+    token: str | None = None
+    quantize: str | None = None
+
+
+@dataclass(frozen=True)
+class ResolvedPair:
+    """Folders of a pair plus the names to show."""
+
+    target_dir: Path
+    drafter_dir: Path | None
+    target_name: str
+    drafter_name: str | None
+    thinking: bool = False
+
+
+def _preset_for_target(target: str) -> presets.Preset | None:
+    for p in presets.PRESETS.values():
+        if p.target.lower() == target.lower():
+            return p
+    return None
+
+
+def resolve_pair(ref: ModelRef, opts: LoadOptions, progress: Progress | None = None) -> ResolvedPair:
+    """Turn a ``ModelRef`` into local folders, downloading Hub models when allowed.
+
+    Raises:
+        ModelNotFoundError: an unknown preset, folder or repo, or a missing embedded model.
+        ConfigError: a drafter without a target.
+    """
+    if ref.drafter and ref.drafter != "none" and not ref.target and not ref.preset:
+        raise ConfigError("--drafter needs --target (or --model PRESET): a drafter only works with its target")
+    preset = presets.get_preset(ref.preset) if ref.preset else None
+    if preset is None and ref.target:
+        preset = _preset_for_target(ref.target)
+    if preset is None and not ref.target:
+        preset = presets.get_preset(presets.EMBEDDED)
+    target = ref.target or (preset.target if preset else None)
+    drafter = ref.drafter or (preset.drafter if preset else None)
+    assert target is not None
+    hub = {"cache_dir": opts.hf_cache_dir, "revision": opts.revision, "offline": opts.offline, "token": opts.token}
+    if target == "embedded":
+        target_dir = embedded.require_embedded_target(opts.models_dir, progress)
+        target_name = embedded.TARGET_NAME
+    else:
+        target_dir = resolve_model(target, "target", **hub)
+        target_name = target
+    drafter_dir: Path | None = None
+    drafter_name: str | None = None
+    if drafter == "embedded":
+        drafter_dir, drafter_name = embedded.embedded_drafter_dir(), "dflash/" + embedded.DRAFTER_DIR.name
+    elif drafter and drafter != "none":
+        drafter_dir, drafter_name = resolve_model(drafter, "drafter", **hub), drafter
+    thinking = bool(preset.thinking) if preset else False
+    return ResolvedPair(target_dir, drafter_dir, target_name, drafter_name, thinking)
+
+
+def read_drafter_config(drafter_dir: Path) -> DraftModelConfig:
+    """Parse a drafter's config.json without loading weights."""
+    path = drafter_dir / "config.json"
+    try:
+        return DraftModelConfig.from_dict(json.loads(path.read_text()))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"cannot read drafter config {path}: {e}") from e
+
+
+def read_target_config(target_dir: Path) -> Any:
+    """The transformers config of a target folder, without weights."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(target_dir), local_files_only=True, trust_remote_code=False)
+    except (ValueError, KeyError) as e:
+        raise UnsupportedModelError(
+            f"transformers cannot read the target config in {target_dir}: {str(e).splitlines()[0]}"
+        ) from e
+    except OSError as e:
+        raise ModelLoadError(f"cannot read the target config in {target_dir}: {e}") from e
+
+
+def load_target_model(target_dir: Path, device: torch.device, dtype: torch.dtype, attn: str = "sdpa") -> Any:
+    """``AutoModelForCausalLM.from_pretrained`` with clear errors (no remote code, local files only)."""
+    import importlib.util
+
+    from transformers import AutoModelForCausalLM
+
+    kw: dict[str, Any] = {"dtype": dtype, "local_files_only": True, "trust_remote_code": False}
+    if attn:
+        kw["attn_implementation"] = attn
+    if device.type == "cuda" and importlib.util.find_spec("accelerate") is not None:
+        kw["device_map"] = str(device)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(target_dir), **kw)
+    except torch.OutOfMemoryError:
+        raise
+    except ValueError as e:
+        msg = str(e).splitlines()[0]
+        if "Unrecognized" in msg or "not supported" in msg or "does not support" in msg:
+            raise UnsupportedModelError(f"cannot load target {target_dir} as a causal LM: {msg}") from e
+        raise ModelLoadError(f"cannot load target {target_dir}: {msg}") from e
+    except Exception as e:  # safetensors/OS errors for truncated or corrupt files
+        raise ModelLoadError(
+            f"cannot load target weights from {target_dir}: {str(e).splitlines()[0] if str(e) else type(e).__name__}; "
+            "the files may be truncated or corrupt: re-download them"
+        ) from e
+    if "device_map" not in kw:
+        model = model.to(device)
+    return model.eval()
+
+
+def load_tokenizer(target_dir: Path) -> Any | None:
+    """The target's tokenizer, or None when the folder has none (e.g. test fixtures)."""
+    if not any((target_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(target_dir), local_files_only=True, trust_remote_code=False)
+    except Exception as e:
+        raise ModelLoadError(f"cannot load the tokenizer in {target_dir}: {str(e).splitlines()[0]}") from e
+
+
+class Pipeline:
+    """A loaded pair: encode prompts, build decoders, stream events.
+
+    Attributes:
+        target: wrapped target.
+        drafter: the drafter or None (plain decoding only).
+        tokenizer: the target's tokenizer or None.
+        pair: folders and names.
+        device, dtype: where the models run.
+    """
+
+    def __init__(
+        self,
+        target: TargetModel,
+        drafter: DFlashDraftModel | None,
+        tokenizer: Any | None,
+        pair: ResolvedPair,
+        device: torch.device,
+        dtype: torch.dtype,
+        load_seconds: float = 0.0,
+    ) -> None:
+        self.target = target
+        self.drafter = drafter
+        self.tokenizer = tokenizer
+        self.pair = pair
+        self.device = device
+        self.dtype = dtype
+        self.load_seconds = load_seconds
+        self.verify_cost: list[float] | None = None
+
+    # -- prompts -----------------------------------------------------------------------------
+    @property
+    def is_chat_model(self) -> bool:
+        """True when the target's tokenizer has a chat template."""
+        return bool(self.tokenizer is not None and getattr(self.tokenizer, "chat_template", None))
+
+    def encode(self, text: str, chat: bool | None = None, system: str | None = None) -> list[int]:
+        """Token ids for a prompt.
+
+        Args:
+            text: the user's text.
+            chat: apply the chat template (None: when the target has one).
+            system: optional system prompt (chat mode only).
+
+        Raises:
+            InputError: empty text, or no tokenizer.
+        """
+        if not text.strip():
+            raise InputError("the prompt is empty; pass text as an argument or on stdin")
+        if self.tokenizer is None:
+            raise InputError("this target has no tokenizer; pass token ids with --prompt-ids 1,2,3")
+        use_chat = self.is_chat_model if chat is None else chat
+        if use_chat:
+            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+            return self.encode_messages(messages)
+        return list(self.tokenizer.encode(text, add_special_tokens=True))
+
+    def encode_messages(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """Apply the chat template (thinking off) to a conversation and tokenise it."""
+        if not self.is_chat_model:
+            raise InputError(f"target {self.pair.target_name} has no chat template; use raw mode (--raw)")
+        assert self.tokenizer is not None
+        text = self.tokenizer.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=True, enable_thinking=False
+        )
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of token ids (special tokens skipped)."""
+        if self.tokenizer is None:
+            return " ".join(str(i) for i in ids)
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """EOS ids from the generation config and the tokenizer."""
+        ids: set[int] = set()
+        gen = getattr(self.target.model, "generation_config", None)
+        for src in (getattr(gen, "eos_token_id", None), getattr(self.target.config, "eos_token_id", None)):
+            if isinstance(src, int):
+                ids.add(src)
+            elif isinstance(src, (list, tuple)):
+                ids.update(int(i) for i in src)
+        if self.tokenizer is not None and getattr(self.tokenizer, "eos_token_id", None) is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return tuple(sorted(ids))
+
+    # -- decoding ----------------------------------------------------------------------------
+    @property
+    def block_size(self) -> int:
+        """The drafter's trained block size (1 without a drafter)."""
+        return self.drafter.dflash.block_size if self.drafter is not None else 1
+
+    def verify_policy(self, opts: DecodeOptions, block_size: int) -> VerifyLengthPolicy:
+        """How many drafts to verify per step for these options on this device."""
+        max_k = block_size - 1
+        if opts.verify_length is not None:
+            return FixedVerifyLength(min(opts.verify_length, max_k))
+        if opts.block_size is not None or self.device.type == "cuda":
+            return FixedVerifyLength(max_k)
+        cost = self.verify_cost or DEFAULT_COST.get(self.device.type, DEFAULT_COST["cpu"])
+        prior = None
+        if self.drafter is not None:
+            stats = self.drafter.config.raw.get("dflash_config", {}).get("acceptance_conditional")
+            prior = [float(x) for x in stats] if stats else None
+        return AdaptiveVerifyLength(max_k, cost, prior=prior)
+
+    def make_decoder(self, opts: DecodeOptions | None = None) -> Decoder:
+        """Build the decoder these options ask for.
+
+        Raises:
+            ConfigError: dflash asked for but no drafter is loaded.
+        """
+        opts = opts or DecodeOptions()
+        if opts.decoder == "ar" or opts.block_size == 1:
+            return AutoregressiveDecoder(self.target, self.tokenizer, stop_token_ids=self.stop_token_ids)
+        if self.drafter is None:
+            raise ConfigError(
+                f"no drafter is loaded for {self.pair.target_name}; name one with --drafter or use --decoder ar"
+            )
+        block = opts.block_size or self.block_size
+        return DFlashDecoder(
+            self.target,
+            self.drafter,
+            self.tokenizer,
+            block_size=block,
+            verify=self.verify_policy(opts, block),
+            stop_token_ids=self.stop_token_ids,
+        )
+
+    def stream(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        opts: DecodeOptions | None = None,
+        cancel: CancelToken | None = None,
+    ) -> Iterator[DecodeEvent]:
+        """Generate from token ids with a fresh decoder; see ``Decoder.stream``."""
+        return self.make_decoder(opts).stream(prompt_ids, params, cancel)
+
+    def describe(self) -> dict[str, Any]:
+        """Names, device and dtype for display and bench records."""
+        return {
+            "target": self.pair.target_name,
+            "drafter": self.pair.drafter_name,
+            "target_dir": str(self.pair.target_dir),
+            "drafter_dir": str(self.pair.drafter_dir) if self.pair.drafter_dir else None,
+            "device": str(self.device),
+            "dtype": dtype_name(self.dtype),
+            "block_size": self.block_size,
+        }
+
+
+def load_pipeline(
+    ref: ModelRef | None = None,
+    runtime: RuntimeConfig | None = None,
+    opts: LoadOptions | None = None,
+    progress: Progress | None = None,
+) -> Pipeline:
+    """Resolve, check and load a pair.
+
+    Args:
+        ref: what to load (None: the embedded default pair).
+        runtime: device, dtype, threads.
+        opts: where models come from.
+        progress: callback for one-line status messages (loading can take a while).
+
+    Returns:
+        A ready ``Pipeline``.
+
+    Raises:
+        ModelNotFoundError, ModelLoadError, IncompatibleDraftError, ConfigError.
+    """
+    import time
+
+    t0 = time.perf_counter()
+    ref, runtime, opts = ref or ModelRef(), runtime or RuntimeConfig(), opts or LoadOptions()
+    if runtime.threads:
+        torch.set_num_threads(runtime.threads)
+    device = resolve_device(runtime.device)
+    dtype = resolve_dtype(runtime.dtype, device)
+    pair = resolve_pair(ref, opts, progress)
+    draft_cfg = read_drafter_config(pair.drafter_dir) if pair.drafter_dir else None
+    if draft_cfg is not None:
+        ensure_compatible(read_target_config(pair.target_dir), draft_cfg, pair.target_name, pair.drafter_name or "")
+    if progress:
+        progress(f"loading {pair.target_name} on {device} ({dtype_name(dtype)})")
+    model = load_target_model(pair.target_dir, device, dtype, runtime.attn_implementation)
+    if opts.quantize:
+        from .quantize import quantize_model_inplace
+
+        quantize_model_inplace(model, opts.quantize, device)
+    target = TargetModel(model)
+    drafter = None
+    if pair.drafter_dir is not None:
+        if progress:
+            progress(f"loading drafter {pair.drafter_name}")
+        drafter = load_draft_model(pair.drafter_dir, device, dtype)
+        ids = drafter.draft_vocab_ids
+        if ids is not None and ids.numel() and int(ids.max()) >= target.vocab_size:
+            raise ModelLoadError(f"drafter draft vocabulary has ids beyond the target vocab ({target.vocab_size})")
+    tokenizer = load_tokenizer(pair.target_dir)
+    return Pipeline(target, drafter, tokenizer, pair, device, dtype, time.perf_counter() - t0)

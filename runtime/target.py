@@ -1,0 +1,181 @@
+"""Target adapter: any Hugging Face causal LM whose embedding, head and decoder layers can be found.
+
+Hidden-state features are captured with forward hooks on exactly the configured decoder layers
+(the OUTPUT of layer l, i.e. HF ``hidden_states[l + 1]``); the model is never asked for all
+hidden states.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from .cache import cache_len, crop_to
+from .errors import UnsupportedModelError
+
+_LAYER_PATHS = (
+    "model.layers",
+    "model.language_model.layers",
+    "language_model.model.layers",
+    "transformer.h",
+    "gpt_neox.layers",
+    "model.decoder.layers",
+    "transformer.blocks",
+)
+
+
+def _get_path(obj: Any, path: str) -> Any:
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def find_decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """Locate the decoder layer list of a causal LM.
+
+    Raises:
+        UnsupportedModelError: naming the architecture when no layer list is found.
+    """
+    n = getattr(model.config, "num_hidden_layers", None)
+    for path in _LAYER_PATHS:
+        layers = _get_path(model, path)
+        if isinstance(layers, nn.ModuleList) and (n is None or len(layers) == n):
+            return layers
+    if n is not None:
+        for module in model.modules():
+            if isinstance(module, nn.ModuleList) and len(module) == n:
+                return module
+    arch = (getattr(model.config, "architectures", None) or [type(model).__name__])[0]
+    raise UnsupportedModelError(
+        f"cannot find the decoder layers of {arch}; DFlash needs a causal LM with an embedding, an lm_head "
+        "and a list of decoder layers (Qwen3, Qwen2/2.5, Llama and similar work)"
+    )
+
+
+class TargetModel:
+    """Wraps a causal LM: forward with a KV cache, capture layer outputs, borrow E and H.
+
+    Attributes:
+        model: the transformers model (eval mode).
+        embed: its input embedding module.
+        lm_head: its output head.
+        layers: its decoder layers.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model.eval()
+        self.config = model.config
+        self.layers = find_decoder_layers(model)
+        embed = model.get_input_embeddings()
+        head = model.get_output_embeddings()
+        arch = (getattr(self.config, "architectures", None) or [type(model).__name__])[0]
+        if embed is None or head is None:
+            raise UnsupportedModelError(f"{arch} exposes no input embedding or output head; DFlash needs both")
+        self.embed: nn.Module = embed
+        self.lm_head: nn.Module = head
+        self._taps: tuple[int, ...] = ()
+        self._captured: dict[int, torch.Tensor] = {}
+        self._hooks: list[Any] = []
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._has_logits_to_keep = "logits_to_keep" in params
+
+    @property
+    def num_layers(self) -> int:
+        """Decoder layers of the target (L_t)."""
+        return len(self.layers)
+
+    @property
+    def hidden_size(self) -> int:
+        """Hidden size D."""
+        return int(self.config.hidden_size)
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the embedding table."""
+        return int(self.embed.weight.shape[0])
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the embedding weights."""
+        return self.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Floating dtype of the embedding weights."""
+        return self.embed.weight.dtype
+
+    @property
+    def max_positions(self) -> int | None:
+        """Context length the target was configured for (None if unknown)."""
+        n = getattr(self.config, "max_position_embeddings", None)
+        return int(n) if n else None
+
+    def set_taps(self, layer_ids: Sequence[int]) -> None:
+        """Capture the outputs of these decoder layers on every forward (replaces earlier taps)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self._taps = tuple(int(i) for i in layer_ids)
+        for i in sorted(set(self._taps)):
+            self._hooks.append(self.layers[i].register_forward_hook(self._make_hook(i)))
+
+    def _make_hook(self, idx: int) -> Any:
+        def hook(_module: nn.Module, _inputs: Any, output: Any) -> None:
+            self._captured[idx] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    def new_cache(self) -> Any:
+        """An empty transformers DynamicCache for this model."""
+        from transformers import DynamicCache
+
+        try:
+            return DynamicCache(config=self.config)
+        except TypeError:  # transformers 4.x
+            return DynamicCache()
+
+    @staticmethod
+    def cache_len(cache: Any) -> int:
+        """Tokens held by ``cache``."""
+        return cache_len(cache)
+
+    @staticmethod
+    def crop(cache: Any, keep: int) -> None:
+        """Crop ``cache`` to ``keep`` tokens (version-portable)."""
+        crop_to(cache, keep)
+
+    def forward(
+        self, input_ids: torch.Tensor, cache: Any, logits_to_keep: int = 0, capture: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One target forward that extends ``cache``.
+
+        Args:
+            input_ids: [1, T] new tokens at positions cache_len .. cache_len + T - 1.
+            cache: KV cache, extended in place.
+            logits_to_keep: 0 for logits at every position, else the last n positions.
+            capture: return the tapped layer outputs.
+
+        Returns:
+            logits [T', V] (float, T' = T or logits_to_keep) and features [1, T, n*D] (the taps
+            concatenated in configured order) or None.
+        """
+        self._captured.clear()
+        kwargs: dict[str, Any] = {self._cache_kw: cache, "use_cache": True}
+        if logits_to_keep and self._has_logits_to_keep:
+            kwargs["logits_to_keep"] = logits_to_keep
+        out = self.model(input_ids=input_ids, **kwargs)
+        logits = out.logits[0]
+        if logits_to_keep:
+            logits = logits[-logits_to_keep:]
+        feats = None
+        if capture and self._taps:
+            feats = torch.cat([self._captured[i] for i in self._taps], dim=-1)
+        self._captured.clear()
+        return logits, feats

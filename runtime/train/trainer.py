@@ -1,0 +1,479 @@
+"""Drafter training (DFLASH.md "Training"): frozen target embedding and head, features from the
+tapped target layers, random anchors, block-sparse attention, position-decayed cross-entropy,
+AdamW with warm-up and cosine decay, checkpoints that resume and continue over several runs.
+
+One step packs ``seqs_per_step`` sequences; each contributes ``anchors`` blocks of ``block_size``
+slots. A block query sees the context features strictly before its anchor plus every slot of its
+own block, nothing of other blocks. Slot k (1..b-1) is trained to predict the token at anchor + k,
+weighted exp(-(k-1)/gamma).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..draft_model import DFlashDraftModel, load_draft_model, save_draft_model
+from ..errors import ConfigError
+from .data import Shard, load_shard
+
+Progress = Callable[[dict[str, Any]], None]
+DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Hyper-parameters of a training run (recorded in the checkpoint and the model card).
+
+    Attributes:
+        seqs_per_step: sequences per optimiser step.
+        anchors: blocks sampled per sequence.
+        max_len: sequences are cut to this many tokens.
+        lr: peak learning rate; ``min_lr_ratio`` of it at the end of the cosine.
+        warmup: share of the schedule spent warming up linearly.
+        weight_decay: AdamW weight decay.
+        betas: AdamW betas.
+        grad_clip: gradient-norm clip.
+        gamma: slot weight decay exp(-(k-1)/gamma) (None: 7/5/4 for b = 16/10/8, else b/2).
+        steps: optimiser steps of this schedule (None: use ``time_budget``).
+        time_budget: wall-clock seconds of this schedule (None: use ``steps``).
+        eval_every: validation every N steps.
+        checkpoint_every: seconds between checkpoints.
+        seed: sampling seed.
+        bf16: autocast matmuls to bfloat16.
+    """
+
+    seqs_per_step: int = 2
+    anchors: int = 48
+    max_len: int = 640
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.05
+    warmup: float = 0.04
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    gamma: float | None = None
+    steps: int | None = None
+    time_budget: float | None = None
+    eval_every: int = 200
+    checkpoint_every: float = 300.0
+    seed: int = 0
+    bf16: bool = True
+
+    def __post_init__(self) -> None:
+        if self.steps is None and self.time_budget is None:
+            raise ConfigError("give a number of steps or a time budget for training")
+        if self.seqs_per_step < 1 or self.anchors < 1:
+            raise ConfigError("seqs_per_step and anchors must be >= 1")
+
+
+@dataclass
+class TrainState:
+    """What a checkpoint records besides weights and optimiser moments."""
+
+    step: int = 0
+    elapsed: float = 0.0
+    segment_start_step: int = 0
+    segment_start_elapsed: float = 0.0
+    segments: int = 1
+    tokens_seen: int = 0
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+def slot_weights(block_size: int, gamma: float | None) -> torch.Tensor:
+    """[b-1] loss weights exp(-(k-1)/gamma) for slots k = 1..b-1."""
+    g = gamma if gamma is not None else DEFAULT_GAMMA.get(block_size, max(block_size / 2.0, 1.0))
+    return torch.exp(-torch.arange(block_size - 1, dtype=torch.float32) / g)
+
+
+class ShardDataset:
+    """Sequences of a set of shards, with the tap columns the drafter uses.
+
+    Args:
+        shards: loaded shards.
+        data_taps: taps stored in the shards, in order.
+        use_taps: taps the drafter consumes (a subset of ``data_taps``), in its order.
+        hidden_size: D.
+    """
+
+    def __init__(
+        self, shards: Sequence[Shard], data_taps: Sequence[int], use_taps: Sequence[int], hidden_size: int
+    ) -> None:
+        missing = [t for t in use_taps if t not in data_taps]
+        if missing:
+            raise ConfigError(f"the dataset has no features for target layers {missing} (it has {list(data_taps)})")
+        self.shards = list(shards)
+        self.index = [(si, j) for si, s in enumerate(self.shards) for j in range(s.num_sequences)]
+        d = hidden_size
+        cols = [torch.arange(data_taps.index(t) * d, (data_taps.index(t) + 1) * d) for t in use_taps]
+        self.columns = torch.cat(cols)
+        self.contiguous = bool(torch.equal(self.columns, torch.arange(self.columns.numel()) + int(self.columns[0])))
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def get(self, i: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(tokens [T], features [T, n*D] bf16, prompt length) of sequence ``i`` cut to ``max_len``."""
+        si, j = self.index[i]
+        s = self.shards[si]
+        a, b = int(s.offsets[j]), int(s.offsets[j + 1])
+        b = min(b, a + max_len)
+        feats = s.features[a:b]
+        if self.contiguous:
+            c0 = int(self.columns[0])
+            feats = feats[:, c0 : c0 + self.columns.numel()]
+        else:
+            feats = feats[:, self.columns]
+        return s.tokens[a:b], feats, int(s.prompt_len[j])
+
+
+def build_batch(
+    seqs: Sequence[tuple[torch.Tensor, torch.Tensor, int]],
+    anchors: int,
+    block_size: int,
+    mask_id: int,
+    rng: random.Random,
+) -> dict[str, torch.Tensor] | None:
+    """Pack sequences into one block-sparse training batch.
+
+    Returns:
+        ``features`` [B, C, n*D], ``block_ids`` [B, A*b], ``labels`` [B, A, b-1] (-100 = ignore),
+        ``positions`` [B, C + A*b], ``mask`` [B, 1, A*b, C + A*b] (True = may attend); None when
+        no sequence has an answer token to anchor on.
+    """
+    b = block_size
+    picked = []
+    for tokens, feats, plen in seqs:
+        t = tokens.numel()
+        lo = max(plen, 1)
+        cands = list(range(lo, t - 1))
+        if not cands:
+            continue
+        chosen = sorted(rng.sample(cands, min(anchors, len(cands))))
+        picked.append((tokens, feats, chosen))
+    if not picked:
+        return None
+    n, a_max = len(picked), max(len(c) for _, _, c in picked)
+    c_len = max(tok.numel() - 1 for tok, _, _ in picked)
+    q = a_max * b
+    feat_dim = picked[0][1].shape[-1]
+    features = torch.zeros((n, c_len, feat_dim), dtype=picked[0][1].dtype)
+    block_ids = torch.full((n, q), mask_id, dtype=torch.long)
+    labels = torch.full((n, a_max, b - 1), -100, dtype=torch.long)
+    positions = torch.zeros((n, c_len + q), dtype=torch.long)
+    mask = torch.zeros((n, 1, q, c_len + q), dtype=torch.bool)
+    positions[:, :c_len] = torch.arange(c_len)
+    ks = torch.arange(1, b)
+    for i, (tokens, feats, chosen) in enumerate(picked):
+        t = tokens.numel()
+        features[i, : t - 1] = feats[: t - 1]
+        for j in range(a_max):
+            qs = slice(j * b, (j + 1) * b)
+            mask[i, 0, qs, c_len + j * b : c_len + (j + 1) * b] = True  # own block, bidirectional
+            if j >= len(chosen):
+                continue
+            a = chosen[j]
+            block_ids[i, j * b] = tokens[a]
+            positions[i, c_len + j * b : c_len + (j + 1) * b] = torch.arange(a, a + b)
+            mask[i, 0, qs, :a] = True  # context strictly before the anchor
+            valid = (a + ks) < t
+            labels[i, j, valid] = tokens[(a + ks)[valid]]
+    return {"features": features, "block_ids": block_ids, "labels": labels, "positions": positions, "mask": mask}
+
+
+class DraftVocab:
+    """Map full-vocab labels to draft-vocab indices (-100 for ids outside the draft vocab)."""
+
+    def __init__(self, ids: torch.Tensor | None, vocab_size: int) -> None:
+        self.ids = ids
+        if ids is not None:
+            self.lookup = torch.full((vocab_size,), -100, dtype=torch.long)
+            self.lookup[ids] = torch.arange(ids.numel())
+
+    def map(self, labels: torch.Tensor) -> torch.Tensor:
+        """Labels as indices into the draft head."""
+        if self.ids is None:
+            return labels
+        out = torch.full_like(labels, -100)
+        ok = labels >= 0
+        out[ok] = self.lookup[labels[ok]]
+        return out
+
+
+def build_draft_vocab(dataset: ShardDataset, size: int, always: Sequence[int] = ()) -> torch.Tensor:
+    """The ``size`` most frequent answer tokens of the dataset (plus ``always``), sorted by id."""
+    counts: dict[int, int] = {}
+    for si, shard in enumerate(dataset.shards):
+        for j in range(shard.num_sequences):
+            a, b = int(shard.offsets[j]), int(shard.offsets[j + 1])
+            ans = shard.tokens[a + int(shard.prompt_len[j]) : b]
+            ids, c = torch.unique(ans, return_counts=True)
+            for t, n in zip(ids.tolist(), c.tolist(), strict=True):
+                counts[t] = counts.get(t, 0) + n
+        del si
+    ranked = sorted(counts, key=lambda t: -counts[t])[: max(size - len(always), 0)]
+    return torch.tensor(sorted(set(ranked) | {int(t) for t in always}), dtype=torch.long)
+
+
+class Trainer:
+    """Train a drafter against frozen target embedding/head weights.
+
+    Args:
+        drafter: the drafter (float32 master weights).
+        embed_weight: [V, D] target embedding (frozen).
+        head_weight: [V, D] target lm_head (frozen).
+        train: training sequences.
+        val: validation sequences (fixed anchors).
+        config: hyper-parameters.
+        out_dir: run folder (``checkpoint/`` inside).
+        device: where to train.
+    """
+
+    def __init__(
+        self,
+        drafter: DFlashDraftModel,
+        embed_weight: torch.Tensor,
+        head_weight: torch.Tensor,
+        train: ShardDataset,
+        val: ShardDataset | None,
+        config: TrainConfig,
+        out_dir: Path,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.device = torch.device(device)
+        self.drafter = drafter.to(self.device).float().train()
+        self.embed = embed_weight.to(self.device)
+        ids = drafter.draft_vocab_ids
+        self.vocab = DraftVocab(ids.cpu() if ids is not None else None, head_weight.shape[0])
+        head = head_weight[ids.to(head_weight.device)] if ids is not None else head_weight
+        self.head = head.to(self.device).contiguous()
+        self.train_data, self.val_data = train, val
+        self.cfg = config
+        self.out_dir = Path(out_dir)
+        self.block = drafter.dflash.block_size
+        self.mask_id = drafter.dflash.mask_token_id
+        self.weights = slot_weights(self.block, config.gamma).to(self.device)
+        params = [p for p in self.drafter.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
+        self.state = TrainState()
+        self.rng = random.Random(config.seed)
+        self._val_batches: list[dict[str, torch.Tensor]] | None = None
+
+    # -- schedule ---------------------------------------------------------------------------
+    def progress(self) -> float:
+        """Fraction of the current schedule segment done (steps or wall clock, whichever is ahead)."""
+        s = self.state
+        fracs = []
+        if self.cfg.steps:
+            fracs.append((s.step - s.segment_start_step) / self.cfg.steps)
+        if self.cfg.time_budget:
+            fracs.append((s.elapsed - s.segment_start_elapsed) / self.cfg.time_budget)
+        return min(max(fracs), 1.0)
+
+    def lr_at(self, progress: float) -> float:
+        """Linear warm-up then cosine decay to ``min_lr_ratio`` of the peak."""
+        c = self.cfg
+        if progress < c.warmup:
+            return c.lr * max(progress / c.warmup, 0.02)
+        t = (progress - c.warmup) / max(1.0 - c.warmup, 1e-9)
+        return c.lr * (c.min_lr_ratio + (1 - c.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+    # -- one step ---------------------------------------------------------------------------
+    def _forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
+        dev = self.device
+        feats = batch["features"].to(dev)
+        block_ids = batch["block_ids"].to(dev)
+        labels = batch["labels"].to(dev)
+        n, a, _ = labels.shape
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
+            ctx = self.drafter.fuse_context(feats)
+            emb = F.embedding(block_ids, self.embed)
+            h = self.drafter(emb, ctx, batch["positions"].to(dev), mask=batch["mask"].to(dev))
+            h = h.view(n, a, self.block, -1)[:, :, 1:]  # slots 1..b-1
+            logits = F.linear(h.reshape(-1, h.shape[-1]), self.head)  # 2-D: no broadcast copies
+        target = self.vocab.map(labels.cpu()).to(dev).view(-1)
+        ce = F.cross_entropy(logits.float(), target, ignore_index=-100, reduction="none")
+        w = self.weights.repeat(n * a)
+        valid = (target >= 0).float()
+        loss = (ce * w * valid).sum() / (w * valid).sum().clamp(min=1e-6)
+        with torch.no_grad():
+            pred = logits.argmax(-1)
+            full_pred = self.drafter_ids(pred).view(n, a, self.block - 1)
+            correct = (full_pred == labels) & (labels >= 0)
+            present = labels >= 0
+        return loss, {"correct": correct.cpu(), "present": present.cpu()}
+
+    def drafter_ids(self, idx: torch.Tensor) -> torch.Tensor:
+        """Draft-head indices -> full-vocab ids."""
+        ids = self.drafter.draft_vocab_ids
+        return ids.to(idx.device)[idx] if ids is not None else idx
+
+    @staticmethod
+    def block_metrics(correct: torch.Tensor, present: torch.Tensor) -> dict[str, Any]:
+        """Slot accuracies and teacher-forced tau (1 + mean leading run of correct slots)."""
+        full = present.all(-1)
+        run = torch.cumprod(correct.long(), dim=-1).sum(-1)
+        slot_acc = (correct.sum((0, 1)).float() / present.sum((0, 1)).clamp(min=1).float()).tolist()
+        tau = 1.0 + run[full].float().mean().item() if full.any() else float("nan")
+        run3 = torch.cumprod(correct[..., :3].long(), dim=-1).sum(-1)
+        tau3 = 1.0 + run3[full].float().mean().item() if full.any() else float("nan")
+        return {"slot_acc": [round(x, 4) for x in slot_acc], "tau_tf": round(tau, 4), "tau_tf_k3": round(tau3, 4)}
+
+    def step(self) -> dict[str, Any]:
+        """One optimiser step on a fresh random batch."""
+        t0 = time.perf_counter()
+        batch = None
+        while batch is None:
+            picks = [self.rng.randrange(len(self.train_data)) for _ in range(self.cfg.seqs_per_step)]
+            seqs = [self.train_data.get(i, self.cfg.max_len) for i in picks]
+            batch = build_batch(seqs, self.cfg.anchors, self.block, self.mask_id, self.rng)
+        lr = self.lr_at(self.progress())
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        loss, m = self._forward(batch)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.grad_clip)
+        self.opt.step()
+        dt = time.perf_counter() - t0
+        self.state.step += 1
+        self.state.elapsed += dt
+        self.state.tokens_seen += int(batch["features"].shape[0] * batch["features"].shape[1])
+        slots = int(m["present"].sum())
+        acc = m["correct"].sum((0, 1)).float() / m["present"].sum((0, 1)).clamp(min=1).float()
+        return {
+            "step": self.state.step,
+            "loss": float(loss.detach()),
+            "lr": lr,
+            "grad_norm": float(gnorm),
+            "slot_acc": [round(x, 3) for x in acc[:4].tolist()],
+            "slots_per_s": slots / dt,
+            "step_s": dt,
+            "progress": self.progress(),
+        }
+
+    @torch.no_grad()
+    def validate(self, max_seqs: int = 16) -> dict[str, Any]:
+        """Weighted CE, slot accuracies and teacher-forced tau on fixed validation blocks."""
+        if self.val_data is None or len(self.val_data) == 0:
+            return {}
+        if self._val_batches is None:
+            rng = random.Random(1234)
+            idx = list(range(min(max_seqs, len(self.val_data))))
+            self._val_batches = []
+            for i in range(0, len(idx), 2):
+                seqs = [self.val_data.get(j, self.cfg.max_len) for j in idx[i : i + 2]]
+                b = build_batch(seqs, self.cfg.anchors, self.block, self.mask_id, rng)
+                if b is not None:
+                    self._val_batches.append(b)
+        self.drafter.eval()
+        losses, corrects, presents = [], [], []
+        for b in self._val_batches:
+            loss, m = self._forward(b)
+            losses.append(float(loss))
+            corrects.append(m["correct"].flatten(0, 1))
+            presents.append(m["present"].flatten(0, 1))
+        self.drafter.train()
+        out = self.block_metrics(torch.cat(corrects)[None], torch.cat(presents)[None])
+        out["val_loss"] = round(sum(losses) / max(len(losses), 1), 4)
+        return out
+
+    # -- checkpoints ------------------------------------------------------------------------
+    def save_checkpoint(self, extra_config: dict[str, Any] | None = None) -> Path:
+        """Write ``checkpoint/`` (drafter in the published layout + trainer state) atomically."""
+        ckpt = self.out_dir / "checkpoint"
+        tmp = self.out_dir / "checkpoint.tmp"
+        if tmp.exists():
+            import shutil
+
+            shutil.rmtree(tmp)
+        save_draft_model(self.drafter, tmp, extra_config)
+        torch.save(
+            {
+                "optimizer": self.opt.state_dict(),
+                "state": asdict(self.state),
+                "config": asdict(self.cfg),
+                "rng": self.rng.getstate(),
+            },
+            tmp / "trainer_state.pt",
+        )
+        if ckpt.exists():
+            import shutil
+
+            shutil.rmtree(ckpt)
+        tmp.replace(ckpt)
+        return ckpt
+
+    def load_checkpoint(self, ckpt: Path, new_segment: bool = False) -> None:
+        """Restore weights, optimiser moments, counters and RNG from ``ckpt``.
+
+        Args:
+            ckpt: a ``checkpoint/`` folder.
+            new_segment: start a fresh schedule segment (warm-up + cosine) from these weights,
+                to continue a finished run with more steps or time.
+        """
+        loaded = load_draft_model(ckpt, self.device, torch.float32)
+        self.drafter.load_state_dict(loaded.state_dict(), strict=False)
+        blob = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=False)
+        self.opt.load_state_dict(blob["optimizer"])
+        self.state = TrainState(**blob["state"])
+        self.rng.setstate(blob["rng"])
+        if new_segment:
+            self.state.segment_start_step = self.state.step
+            self.state.segment_start_elapsed = self.state.elapsed
+            self.state.segments += 1
+
+    # -- the loop ---------------------------------------------------------------------------
+    def run(
+        self, progress: Progress | None = None, extra_config: Callable[[], dict[str, Any]] | None = None
+    ) -> TrainState:
+        """Train until the schedule segment is done; checkpoint on the way and at the end.
+
+        A KeyboardInterrupt saves a checkpoint and re-raises, so ``--resume`` continues.
+        """
+        last_ckpt = time.perf_counter()
+        try:
+            while self.progress() < 1.0:
+                info = self.step()
+                if self.state.step % self.cfg.eval_every == 0:
+                    info["val"] = self.validate()
+                    self.state.history.append(
+                        {"step": self.state.step, "elapsed": round(self.state.elapsed, 1), **info["val"]}
+                    )
+                if progress:
+                    progress(info)
+                if time.perf_counter() - last_ckpt > self.cfg.checkpoint_every:
+                    self.save_checkpoint(extra_config() if extra_config else None)
+                    last_ckpt = time.perf_counter()
+        except KeyboardInterrupt:
+            self.save_checkpoint(extra_config() if extra_config else None)
+            raise
+        final_val = self.validate()
+        self.state.history.append({"step": self.state.step, "elapsed": round(self.state.elapsed, 1), **final_val})
+        self.save_checkpoint(extra_config() if extra_config else None)
+        return self.state
+
+
+def iter_shards(data_dir: Path) -> Iterator[Shard]:
+    """Load every shard of a dataset folder, in order."""
+    for p in sorted(Path(data_dir).glob("shard-*.safetensors")):
+        yield load_shard(p)
+
+
+def dataset_meta(data_dir: Path) -> dict[str, Any]:
+    """The ``dataset.json`` of a dataset folder."""
+    path = Path(data_dir) / "dataset.json"
+    if not path.exists():
+        raise ConfigError(
+            f"{data_dir} is not a dflash training dataset (no dataset.json); run `dflash train data` first"
+        )
+    return dict(json.loads(path.read_text()))

@@ -1,0 +1,329 @@
+"""First-class test fakes: tiny models and tokenizers built in-process, oracle/adversarial
+drafters, and a scripted decoder for CLI/TUI tests (no model at all).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from runtime.config import SamplingParams
+from runtime.decoding import CancelToken, DFlashDecoder
+from runtime.draft_model import DFlashDraftModel, DraftModelConfig, save_draft_model
+from runtime.events import (
+    BlockVerified,
+    DecodeEvent,
+    Finished,
+    GenerationStats,
+    PrefillDone,
+    TokenEvent,
+    TokenStatus,
+)
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n",
+    "for i in range(10):\n    print(i)\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n",
+    "héllo wörld — ünïcode ✓ 日本語 テキスト",
+    "import os\nimport sys\nprint(os.getcwd(), sys.argv)\n",
+] * 20
+
+
+def make_tokenizer(folder: Path | None = None, vocab_size: int = 320) -> Any:
+    """A small byte-level BPE tokenizer with ChatML special tokens and a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None
+    )
+    fast.chat_template = CHATML
+    if folder is not None:
+        fast.save_pretrained(str(folder))
+    return fast
+
+
+def tiny_target_config(arch: str = "qwen3", vocab_size: int = 320, layers: int = 4, **kw: Any) -> Any:
+    """Config of a tiny random target: qwen3, qwen2 or llama (GQA: 4 heads, 2 KV heads)."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=kw.pop("max_position_embeddings", 512),
+        tie_word_embeddings=False,
+        initializer_range=kw.pop("initializer_range", 0.2),
+        eos_token_id=kw.pop("eos_token_id", None),
+    )
+    if arch == "qwen3":
+        return Qwen3Config(head_dim=16, **common, **kw)
+    if arch == "qwen2":
+        return Qwen2Config(**common, **kw)
+    if arch == "llama":
+        return LlamaConfig(head_dim=16, **common, **kw)
+    raise ValueError(arch)
+
+
+def make_target(arch: str = "qwen3", vocab_size: int = 320, seed: int = 0, **kw: Any) -> Any:
+    """A tiny random causal LM (float32, eval mode)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = tiny_target_config(arch, vocab_size, **kw)
+    cfg._attn_implementation = "sdpa"
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def drafter_config_dict(
+    target_config: Any,
+    block_size: int = 4,
+    layers: int = 1,
+    taps: Sequence[int] | None = None,
+    mask_token_id: int | None = None,
+    nested: bool = True,
+    hidden_size: int | None = None,
+    vocab_size: int | None = None,
+    layer_types: Sequence[str] | None = None,
+    sliding_window: int | None = None,
+) -> dict[str, Any]:
+    """A published-layout drafter config for a tiny target."""
+    n_target = target_config.num_hidden_layers
+    cfg: dict[str, Any] = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "block_size": block_size,
+        "hidden_size": hidden_size or target_config.hidden_size,
+        "intermediate_size": 128,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 512,
+        "vocab_size": vocab_size or target_config.vocab_size,
+        "num_target_layers": n_target,
+        "layer_types": list(layer_types or ["full_attention"] * layers),
+        "sliding_window": sliding_window,
+    }
+    dflash: dict[str, Any] = {
+        "mask_token_id": mask_token_id if mask_token_id is not None else target_config.vocab_size - 1
+    }
+    if taps is not None:
+        dflash["target_layer_ids"] = list(taps)
+    if nested:
+        cfg["dflash_config"] = dflash
+    else:
+        cfg.update(dflash)
+    return cfg
+
+
+def make_drafter(target_config: Any, seed: int = 0, std: float = 0.2, **kw: Any) -> DFlashDraftModel:
+    """A random drafter wired to a tiny target (float32, eval mode)."""
+    torch.manual_seed(seed)
+    model = DFlashDraftModel(DraftModelConfig.from_dict(drafter_config_dict(target_config, **kw)))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not name.endswith("norm.weight"):
+                p.normal_(0, std)
+    return model.eval()
+
+
+def save_pair(
+    folder: Path,
+    arch: str = "qwen3",
+    block_size: int = 4,
+    with_tokenizer: bool = True,
+    seed: int = 0,
+    **drafter_kw: Any,
+) -> tuple[Path, Path]:
+    """Save a tiny target (+ tokenizer) and a matching drafter; return (target_dir, drafter_dir)."""
+    target_dir, drafter_dir = folder / "target", folder / "drafter"
+    target_dir.mkdir(parents=True, exist_ok=True)
+    vocab = 320
+    eos = None
+    if with_tokenizer:
+        tok = make_tokenizer(target_dir)
+        vocab = max(len(tok), 64) + 8
+        eos = tok.eos_token_id
+    target = make_target(arch, vocab_size=vocab, seed=seed, eos_token_id=eos)
+    target.save_pretrained(str(target_dir))
+    drafter = make_drafter(target.config, seed=seed + 1, block_size=block_size, taps=[1, 2], **drafter_kw)
+    save_draft_model(drafter, drafter_dir)
+    return target_dir, drafter_dir
+
+
+def greedy_reference(model: Any, prompt: Sequence[int], n: int) -> list[int]:
+    """Plain greedy continuation without any cache (the slowest, simplest reference)."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
+            ids.append(int(logits.argmax()))
+    return ids[len(prompt) :]
+
+
+class OracleDecoder(DFlashDecoder):
+    """Proposes the target's own greedy continuation: every draft is accepted.
+
+    ``corrupt`` (0..1) replaces each draft with a wrong token with that probability, to exercise
+    every acceptance length; ``adversarial`` proposes only wrong tokens (tau == 1).
+    """
+
+    def __init__(self, *args: Any, corrupt: float = 0.0, adversarial: bool = False, seed: int = 0, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.corrupt = corrupt
+        self.adversarial = adversarial
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def propose(self, anchor, start, k, pending, d_cache, committed):  # type: ignore[no-untyped-def]
+        truth = greedy_reference(self.target.model, list(committed), k)
+        out = []
+        vocab = self.target.vocab_size
+        for t in truth:
+            wrong = self.adversarial or float(torch.rand((), generator=self.gen)) < self.corrupt
+            out.append((t + 1) % vocab if wrong else t)
+        return torch.tensor(out, dtype=torch.long, device=self.target.device)
+
+
+def collect_ids(events: Sequence[DecodeEvent]) -> list[int]:
+    """Committed ids of an event list, in order."""
+    return [t.token_id for e in events if not isinstance(e, Finished) for t in e.tokens]
+
+
+def make_stats(**kw: Any) -> GenerationStats:
+    """GenerationStats with defaults for fakes."""
+    base: dict[str, Any] = dict(
+        prompt_tokens=5,
+        generated_tokens=0,
+        ttft_seconds=0.01,
+        total_seconds=0.1,
+        tokens_per_second=10.0,
+        decode_tokens_per_second=10.0,
+        verify_steps=0,
+        drafted_tokens=0,
+        accepted_tokens=0,
+        tau=1.0,
+        acceptance_rate=0.0,
+        per_position_acceptance=(0.0, 0.0, 0.0),
+        acceptance_histogram=(0, 0, 0, 0),
+        block_size=4,
+        verify_length=3,
+        decoder="dflash",
+    )
+    base.update(kw)
+    return GenerationStats(**base)
+
+
+class ScriptedDecoder:
+    """A ``Decoder`` that replays scripted blocks (no model).
+
+    Args:
+        blocks: per verify step, a tuple (accepted texts, target text, rejected texts); the first
+            entry of ``first`` is the prefill token text.
+        first: text of the first (prefill) token.
+        delay: seconds to sleep before each block (to test cancellation and streaming).
+        fail_after: raise ``RuntimeError`` after this many blocks (to test error paths).
+    """
+
+    name = "scripted"
+
+    def __init__(
+        self,
+        blocks: Sequence[tuple[Sequence[str], str, Sequence[str]]],
+        first: str = "",
+        delay: float = 0.0,
+        fail_after: int | None = None,
+        error: Exception | None = None,
+    ) -> None:
+        self.blocks = list(blocks)
+        self.first = first
+        self.delay = delay
+        self.fail_after = fail_after
+        self.error = error
+        self.calls: list[tuple[list[int], SamplingParams]] = []
+
+    def stream(
+        self, prompt_ids: Sequence[int], params: SamplingParams, cancel: CancelToken | None = None
+    ) -> Iterator[DecodeEvent]:
+        self.calls.append((list(prompt_ids), params))
+        t0 = time.perf_counter()
+        next_id = 1000
+        first = TokenEvent(next_id, self.first, TokenStatus.TARGET)
+        generated, drafted, accepted, hist = 1, 0, 0, [0, 0, 0, 0]
+        pos_ok, pos_tried = [0, 0, 0], [0, 0, 0]
+        yield PrefillDone(prompt_tokens=len(prompt_ids), seconds=0.01, tokens=(first,))
+        reason = "length"
+        for i, (acc, tgt, rej) in enumerate(self.blocks):
+            if cancel is not None and cancel.cancelled:
+                reason = "cancelled"
+                break
+            if self.fail_after is not None and i >= self.fail_after:
+                raise self.error or RuntimeError("scripted failure")
+            if self.delay:
+                time.sleep(self.delay)
+            toks = []
+            for text in acc:
+                next_id += 1
+                toks.append(TokenEvent(next_id, text, TokenStatus.ACCEPTED))
+            next_id += 1
+            toks.append(TokenEvent(next_id, tgt, TokenStatus.TARGET))
+            draft = tuple(range(next_id + 100, next_id + 100 + len(acc) + len(rej)))
+            k = len(draft)
+            drafted += k
+            accepted += len(acc)
+            generated += len(toks)
+            hist[min(len(acc), 3)] += 1
+            for j in range(min(k, 3)):
+                pos_tried[j] += 1
+                pos_ok[j] += int(j < len(acc))
+            yield BlockVerified(
+                draft=draft,
+                draft_text=tuple(acc) + tuple(rej),
+                accepted=len(acc),
+                tokens=tuple(toks),
+                seconds=0.01,
+            )
+        steps = sum(hist)
+        stats = make_stats(
+            prompt_tokens=len(prompt_ids),
+            generated_tokens=generated,
+            total_seconds=time.perf_counter() - t0,
+            verify_steps=steps,
+            drafted_tokens=drafted,
+            accepted_tokens=accepted,
+            tau=(accepted + steps) / steps if steps else 1.0,
+            acceptance_rate=accepted / drafted if drafted else 0.0,
+            per_position_acceptance=tuple(o / t if t else 0.0 for o, t in zip(pos_ok, pos_tried, strict=True)),
+            acceptance_histogram=tuple(hist),
+        )
+        yield Finished(reason=reason, stats=stats)  # type: ignore[arg-type]
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write JSON (test helper)."""
+    path.write_text(json.dumps(data))
