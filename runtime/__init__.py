@@ -12,6 +12,7 @@ Configuration arrives as frozen dataclasses; nothing here reads environment vari
 
 from __future__ import annotations
 
+from .backend import Backend
 from .config import DecodeOptions, DFlashConfig, RuntimeConfig, SamplingParams
 from .decoding import AutoregressiveDecoder, CancelToken, Decoder, DFlashDecoder
 from .errors import (
@@ -39,6 +40,7 @@ from .pipeline import LoadOptions, ModelRef, Pipeline, load_pipeline
 
 __all__ = [
     "AutoregressiveDecoder",
+    "Backend",
     "BlockVerified",
     "CancelToken",
     "ConfigError",

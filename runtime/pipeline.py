@@ -324,6 +324,28 @@ class Pipeline:
         """Generate from token ids with a fresh decoder; see ``Decoder.stream``."""
         return self.make_decoder(opts).stream(prompt_ids, params, cancel)
 
+    def stream_prompt(
+        self,
+        text: str,
+        params: SamplingParams,
+        opts: DecodeOptions | None = None,
+        cancel: CancelToken | None = None,
+        chat: bool | None = None,
+        system: str | None = None,
+    ) -> Iterator[DecodeEvent]:
+        """Encode ``text`` (see ``encode``) and stream; the ``Backend`` protocol."""
+        return self.stream(self.encode(text, chat=chat, system=system), params, opts, cancel)
+
+    def stream_messages(
+        self,
+        messages: Sequence[dict[str, str]],
+        params: SamplingParams,
+        opts: DecodeOptions | None = None,
+        cancel: CancelToken | None = None,
+    ) -> Iterator[DecodeEvent]:
+        """Apply the chat template to a conversation and stream; the ``Backend`` protocol."""
+        return self.stream(self.encode_messages(messages), params, opts, cancel)
+
     def describe(self) -> dict[str, Any]:
         """Names, device and dtype for display and bench records."""
         return {
