@@ -8,6 +8,7 @@ import typer
 
 from .commands.run import run
 from .commands.setup import setup
+from .commands.train import train
 
 app = typer.Typer(
     name="dflash",
@@ -42,6 +43,7 @@ def _root(
 
 app.command("run")(run)
 app.command("setup")(setup)
+app.command("train")(train)
 
 
 def quiet_libraries() -> None:

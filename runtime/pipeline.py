@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from . import embedded, presets
+from .calibrate import VerifyCosts
 from .compat import ensure_compatible
 from .config import DecodeOptions, RuntimeConfig, SamplingParams
 from .decoding import AutoregressiveDecoder, CancelToken, Decoder, DFlashDecoder
@@ -212,7 +213,7 @@ class Pipeline:
         self.device = device
         self.dtype = dtype
         self.load_seconds = load_seconds
-        self.verify_cost: list[float] | None = None
+        self.costs: VerifyCosts | None = None  # measured verify/draft costs (runtime.calibrate)
 
     # -- prompts -----------------------------------------------------------------------------
     @property
@@ -284,21 +285,27 @@ class Pipeline:
             return FixedVerifyLength(min(opts.verify_length, max_k))
         if opts.block_size is not None or self.device.type == "cuda":
             return FixedVerifyLength(max_k)
-        cost = self.verify_cost or DEFAULT_COST.get(self.device.type, DEFAULT_COST["cpu"])
+        cost = list(self.costs.verify) if self.costs else DEFAULT_COST.get(self.device.type, DEFAULT_COST["cpu"])
+        draft_cost = self.costs.draft if self.costs else 0.1
         prior = None
         if self.drafter is not None:
             stats = self.drafter.config.raw.get("dflash_config", {}).get("acceptance_conditional")
             prior = [float(x) for x in stats] if stats else None
-        return AdaptiveVerifyLength(max_k, cost, prior=prior)
+        return AdaptiveVerifyLength(max_k, cost, draft_cost=draft_cost, prior=prior)
 
     def make_decoder(self, opts: DecodeOptions | None = None) -> Decoder:
         """Build the decoder these options ask for.
 
+        Without a drafter, plain decoding is used unless a block size or verify length asks for
+        speculation.
+
         Raises:
-            ConfigError: dflash asked for but no drafter is loaded.
+            ConfigError: a block size > 1 asked for but no drafter is loaded.
         """
         opts = opts or DecodeOptions()
-        if opts.decoder == "ar" or opts.block_size == 1:
+        plain = opts.decoder == "ar" or opts.block_size == 1
+        if plain or (self.drafter is None and opts.block_size is None and opts.verify_length is None):
+            # without a drafter, decoding is plain (the CLI says so once on stderr)
             return AutoregressiveDecoder(self.target, self.tokenizer, stop_token_ids=self.stop_token_ids)
         if self.drafter is None:
             raise ConfigError(

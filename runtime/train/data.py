@@ -165,6 +165,7 @@ def generate_dataset(
     max_prompt_tokens: int = 512,
     stop_ids: Sequence[int] = (),
     progress: Progress | None = None,
+    extra_meta: dict[str, Any] | None = None,
 ) -> list[Path]:
     """Generate (or resume generating) the dataset shards for ``prompts``.
 
@@ -179,6 +180,7 @@ def generate_dataset(
         max_prompt_tokens: longer prompts are skipped.
         stop_ids: EOS ids.
         progress: callback with a dict of counters after each shard.
+        extra_meta: more keys for ``dataset.json``.
 
     Returns:
         All shard paths, in order.
@@ -188,7 +190,9 @@ def generate_dataset(
     encoded = [(encode_prompt(tokenizer, p.text, p.chat), p) for p in prompts]
     encoded = [(ids, p) for ids, p in encoded if 0 < len(ids) <= max_prompt_tokens]
     meta = {"taps": list(taps), "hidden_size": target.hidden_size, "max_new_tokens": max_new_tokens}
-    (out_dir / "dataset.json").write_text(json.dumps({**meta, "num_prompts": len(encoded)}, indent=2))
+    (out_dir / "dataset.json").write_text(
+        json.dumps({**meta, **(extra_meta or {}), "num_prompts": len(encoded)}, indent=2)
+    )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stop_ids[0] if stop_ids else 0)
     paths = []
     total_tokens = 0

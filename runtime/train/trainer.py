@@ -256,6 +256,8 @@ class Trainer:
         self.vocab = DraftVocab(ids.cpu() if ids is not None else None, head_weight.shape[0])
         head = head_weight[ids.to(head_weight.device)] if ids is not None else head_weight
         self.head = head.to(self.device).contiguous()
+        if not config.bf16:  # float32 end to end (tests, exactness checks)
+            self.head, self.embed = self.head.float(), self.embed.float()
         self.train_data, self.val_data = train, val
         self.cfg = config
         self.out_dir = Path(out_dir)
@@ -290,7 +292,7 @@ class Trainer:
     # -- one step ---------------------------------------------------------------------------
     def _forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
         dev = self.device
-        feats = batch["features"].to(dev)
+        feats = batch["features"].to(dev, self.head.dtype)
         block_ids = batch["block_ids"].to(dev)
         labels = batch["labels"].to(dev)
         n, a, _ = labels.shape
@@ -441,6 +443,8 @@ class Trainer:
         A KeyboardInterrupt saves a checkpoint and re-raises, so ``--resume`` continues.
         """
         last_ckpt = time.perf_counter()
+        if self.state.step == 0 and not self.state.history:
+            self.state.history.append({"step": 0, "elapsed": 0.0, **self.validate()})
         try:
             while self.progress() < 1.0:
                 info = self.step()

@@ -1,0 +1,130 @@
+"""Measure what a verify step costs on this device, to choose the verify length.
+
+``measure_costs`` times target forwards of n = 1..b tokens on top of a KV cache and one drafter
+forward, relative to a one-token target forward. ``cached_costs`` keeps the result in a JSON file
+(keyed by model, device, dtype, threads and torch version) so that only the first run pays the
+few seconds it takes.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .cache import DraftKVCache
+
+
+@dataclass(frozen=True)
+class VerifyCosts:
+    """Relative costs: ``verify[n-1]`` = time(n-token target forward) / time(1-token forward)."""
+
+    verify: tuple[float, ...]
+    draft: float
+    one_token_seconds: float
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+@torch.inference_mode()
+def measure_costs(pipeline: Any, context: int = 96, reps: int = 3) -> VerifyCosts:
+    """Time verify forwards of 1..block_size tokens and one drafter forward.
+
+    Args:
+        pipeline: a loaded ``Pipeline`` with a drafter.
+        context: tokens already in the KV cache (a typical prompt).
+        reps: repetitions per length (the median is kept).
+    """
+    target, drafter = pipeline.target, pipeline.drafter
+    device = target.device
+    b = pipeline.block_size
+    vocab = target.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, min(vocab, 20000), (1, context), generator=gen).to(device)
+    if drafter is not None:
+        target.set_taps(drafter.dflash.target_layer_ids)
+    cache = target.new_cache()
+    _, feats = target.forward(prompt, cache, logits_to_keep=1, capture=drafter is not None)
+
+    def timed(fn: Any) -> float:
+        samples = []
+        for _ in range(reps + 1):  # first call warms up
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            samples.append(time.perf_counter() - t0)
+        return statistics.median(samples[1:])
+
+    times = []
+    for n in range(1, b + 1):
+        ids = prompt[:, :n]
+
+        def verify(ids: torch.Tensor = ids) -> None:
+            target.forward(ids, cache, capture=drafter is not None)
+            target.crop(cache, context)
+
+        times.append(timed(verify))
+    draft_rel = 0.0
+    if drafter is not None and feats is not None:
+        from .decoding.dflash import DraftHead
+
+        head = DraftHead(target, drafter)
+        mask = drafter.dflash.mask_token_id
+        block = torch.full((1, b), mask, dtype=torch.long, device=device)
+        ctx = feats[:, -4:]
+
+        def draft() -> None:
+            c = DraftKVCache(len(drafter.layers))
+            pos = torch.arange(context - 4, context + b, device=device)[None]
+            h = drafter(target.embed(block), drafter.fuse_context(ctx), pos, cache=c)
+            head.argmax(h[0, 1:])
+
+        draft_rel = timed(draft) / times[0]
+    base = times[0]
+    return VerifyCosts(tuple(round(t / base, 4) for t in times), round(draft_rel, 4), base)
+
+
+def cache_key(pipeline: Any) -> str:
+    """Identity of a measurement: model, device, dtype, threads, torch version."""
+    d = pipeline.describe()
+    return "|".join(
+        [d["target"], str(d.get("drafter")), d["device"], d["dtype"], str(torch.get_num_threads()), torch.__version__]
+    )
+
+
+def cached_costs(pipeline: Any, cache_file: Path, remeasure: bool = False) -> VerifyCosts:
+    """Costs from ``cache_file`` or measured now (and stored).
+
+    Args:
+        pipeline: loaded pipeline.
+        cache_file: JSON file holding earlier measurements.
+        remeasure: ignore a stored measurement.
+    """
+    key = cache_key(pipeline)
+    data: dict[str, Any] = {}
+    if cache_file.exists():
+        try:
+            data = json.loads(cache_file.read_text())
+        except (OSError, json.JSONDecodeError):
+            data = {}
+    if key in data and not remeasure:
+        v = data[key]
+        return VerifyCosts(tuple(v["verify"]), float(v["draft"]), float(v["one_token_seconds"]))
+    costs = measure_costs(pipeline)
+    data[key] = asdict(costs)
+    cache_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache_file.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    tmp.replace(cache_file)
+    return costs
