@@ -6,6 +6,7 @@ from typing import Annotated
 
 import typer
 
+from .commands.models import models_app
 from .commands.run import run
 from .commands.setup import setup
 
@@ -42,6 +43,7 @@ def _root(
 
 app.command("run")(run)
 app.command("setup")(setup)
+app.add_typer(models_app, name="models")
 
 
 def quiet_libraries() -> None:
