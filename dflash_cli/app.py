@@ -6,6 +6,7 @@ from typing import Annotated
 
 import typer
 
+from .commands.download import download
 from .commands.models import models_app
 from .commands.run import run
 from .commands.setup import setup
@@ -43,6 +44,7 @@ def _root(
 
 app.command("run")(run)
 app.command("setup")(setup)
+app.command("download")(download)
 app.add_typer(models_app, name="models")
 
 
