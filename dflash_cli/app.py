@@ -6,6 +6,7 @@ from typing import Annotated
 
 import typer
 
+from .commands.doctor import doctor
 from .commands.download import download
 from .commands.models import models_app
 from .commands.run import run
@@ -46,6 +47,7 @@ app.command("run")(run)
 app.command("setup")(setup)
 app.command("download")(download)
 app.add_typer(models_app, name="models")
+app.command("doctor")(doctor)
 
 
 def quiet_libraries() -> None:
