@@ -194,3 +194,16 @@ def test_offline_download_checks_the_cached_pair():
     r = runner.invoke(app, ["download", "org/target", "--drafter", "org/cut", "--offline"])
     assert r.exit_code == 4
     assert "truncated" in r.stderr and r.stdout == ""
+
+
+def test_what_a_name_downloads():
+    from runtime.download import PairRequest, plan_download
+
+    assert plan_download("qwen3-4b") == PairRequest(TARGET, DRAFTER, "qwen3-4b")
+    assert plan_download(DRAFTER) == PairRequest(TARGET, DRAFTER, "qwen3-4b")  # a preset's drafter brings its target
+    assert plan_download(TARGET, "none") == PairRequest(TARGET, None, "qwen3-4b")
+    assert plan_download("org/any", "org/its-drafter") == PairRequest("org/any", "org/its-drafter")
+    assert plan_download("org/any") == PairRequest("org/any", None)  # no drafter known: the target alone
+    assert plan_download(None).target == "embedded"
+    r = runner.invoke(app, ["download", "not a repo id"])
+    assert r.exit_code == 3 and "neither a preset" in r.stderr
