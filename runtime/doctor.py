@@ -389,7 +389,9 @@ def run_doctor(ref: Any, runtime: RuntimeConfig, opts: Any, memory_probe: Memory
     target_ref = ref.target or (preset.target if preset else None)
     drafter_ref = ref.drafter or (preset.drafter if preset else None)
     if preset is not None:
-        checks.append(Check("model", "info", f"preset {preset.name}: {preset.target} + {preset.drafter}"))
+        t_name = embedded.TARGET_NAME if preset.target == "embedded" else preset.target
+        d_name = "the drafter shipped with dflash" if preset.drafter == "embedded" else preset.drafter
+        checks.append(Check("model", "info", f"preset {preset.name}: {t_name} + {d_name}"))
 
     target = _locate(str(target_ref), "target", opts)
     checks += target.checks
