@@ -156,8 +156,8 @@ def rm(
     usage, found, _pairs = _scan()
     chosen = cache_store.select(names, found)
     total = sum(m.size_bytes for m in chosen)
-    for m in chosen:
-        print(f"  {m.name}  {m.kind}  {human_size(m.size_bytes)}  {m.path}", file=sys.stderr)
+    listing = columns([[m.name, m.kind, human_size(m.size_bytes), str(m.path)] for m in chosen])
+    print("\n".join("  " + line for line in listing.splitlines()), file=sys.stderr)
     if not yes:
         n = len(chosen)
         try:
