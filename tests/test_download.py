@@ -45,6 +45,8 @@ def hub(monkeypatch: pytest.MonkeyPatch):
         monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)  # read once at import by huggingface_hub
         monkeypatch.setenv("HF_HUB_OFFLINE", "0")
         monkeypatch.setenv("HF_ENDPOINT", fake.url)
+        for var in ("NO_PROXY", "no_proxy"):  # a proxy configured on the machine must not see 127.0.0.1
+            monkeypatch.setenv(var, "127.0.0.1,localhost")
         yield fake
 
 
@@ -160,6 +162,8 @@ def test_dropped_connection_resumes_from_the_byte_it_reached(tmp_path):
         DFLASH_HOME=str(tmp_path / "home"),
         HF_HUB_DISABLE_PROGRESS_BARS="1",
         OMP_NUM_THREADS="1",
+        NO_PROXY="127.0.0.1,localhost",
+        no_proxy="127.0.0.1,localhost",
     )
     with fake.serve():
         env["HF_ENDPOINT"] = fake.url
