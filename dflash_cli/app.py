@@ -6,6 +6,9 @@ from typing import Annotated
 
 import typer
 
+from .commands.doctor import doctor
+from .commands.download import download
+from .commands.models import models_app
 from .commands.run import run
 from .commands.setup import setup
 from .commands.train import train
@@ -44,6 +47,9 @@ def _root(
 app.command("run")(run)
 app.command("setup")(setup)
 app.command("train")(train)
+app.command("download")(download)
+app.add_typer(models_app, name="models")
+app.command("doctor")(doctor)
 
 
 def quiet_libraries() -> None:

@@ -109,6 +109,28 @@ def state_dir() -> Path:
     return Path(user_data_dir("dflash", appauthor=False))
 
 
+def usage_log_path() -> Path:
+    """The JSON file where dflash remembers when each model was last used (see `dflash models`)."""
+    return state_dir() / "models-usage.json"
+
+
+def remember_use(pipe: Pipeline, preset: str | None = None) -> None:
+    """Note that a pipeline's models were just used (best effort: never fails a command)."""
+    from runtime.cache_store import UsageLog
+
+    pair = getattr(pipe, "pair", None)
+    if pair is None:
+        return
+    try:
+        UsageLog(usage_log_path()).record(
+            [pair.target_dir, pair.drafter_dir],
+            pair=(pair.target_dir, pair.drafter_dir) if pair.drafter_dir else None,
+            pair_name=preset,
+        )
+    except OSError:
+        pass
+
+
 def env_offline() -> bool:
     """True when HF_HUB_OFFLINE is set to a true value."""
     return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
@@ -168,12 +190,14 @@ def load(
 
     hf_logging.disable_progress_bar()  # transformers' per-tensor "Loading weights" bar
 
-    return load_pipeline(
+    pipe = load_pipeline(
         model_ref(model, target, drafter),
         runtime_config(device, dtype, threads),
         load_options(offline, revision, quantize),
         progress=status,
     )
+    remember_use(pipe, model)
+    return pipe
 
 
 def read_prompt(argument: str | None) -> str:

@@ -11,6 +11,11 @@ from pathlib import Path
 
 from .errors import ModelLoadError, ModelNotFoundError
 
+
+class PartialDownloadError(ModelNotFoundError):
+    """A cached Hub snapshot lacks files (an interrupted download) and the Hub may not be used."""
+
+
 MODEL_FILE_PATTERNS = [
     "*.json",
     "*.safetensors",
@@ -22,6 +27,9 @@ MODEL_FILE_PATTERNS = [
     "*.jinja",
     "*.md",
 ]
+# The small files (configs, tokenizer, chat template) that are enough to check a pair before
+# any weights are fetched.
+CONFIG_PATTERNS = ["*.json", "*.jinja", "tokenizer*", "*.model", "*.tiktoken", "merges.txt", "vocab.txt"]
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -88,7 +96,12 @@ def resolve_model(
         raise ModelNotFoundError(f"{what} {ref!r} is a file, not a model folder")
     if not _REPO_ID.match(ref):
         raise ModelNotFoundError(f"{what} {ref!r} is neither a local folder nor a Hugging Face repo id (org/name)")
-    folder = download_model(ref, what, cache_dir=cache_dir, revision=revision, offline=True, token=token)
+    try:
+        folder = download_model(ref, what, cache_dir=cache_dir, revision=revision, offline=True, token=token)
+    except PartialDownloadError:
+        if offline:
+            raise
+        folder = None  # known to be incomplete: let the download finish it
     if folder is not None:
         try:
             check_model_folder(folder, what)
@@ -116,15 +129,23 @@ def download_model(
     revision: str | None = None,
     offline: bool = False,
     token: str | None = None,
+    allow_patterns: list[str] | None = None,
+    endpoint: str | None = None,
 ) -> Path | None:
     """Fetch (or find in the cache) the files a model needs with ``snapshot_download``.
 
-    Downloads resume where an earlier attempt stopped; progress bars go to stderr.
+    Files already in the cache are not fetched again; a dropped connection is resumed from the
+    byte where it stopped (HTTP Range). Progress bars go to stderr.
+
+    Args:
+        allow_patterns: which files to fetch (default ``MODEL_FILE_PATTERNS``: never pickle weights).
+        endpoint: Hub URL (None: huggingface_hub's default, https://huggingface.co).
 
     Returns:
         The snapshot folder, or None when ``offline`` and the repo is not cached.
 
     Raises:
+        PartialDownloadError: ``offline`` and the cached snapshot is known to lack files.
         ModelNotFoundError: the repo does not exist, is gated, or the Hub is unreachable.
     """
     from huggingface_hub import snapshot_download
@@ -137,15 +158,30 @@ def download_model(
     )
 
     try:
+        from huggingface_hub.errors import IncompleteSnapshotError
+    except ImportError:  # huggingface_hub before the tree-listing cache cannot tell
+
+        class IncompleteSnapshotError(Exception):  # type: ignore[no-redef]
+            pass
+
+    try:
         out = snapshot_download(
             repo_id,
             revision=revision,
             cache_dir=str(cache_dir) if cache_dir else None,
-            allow_patterns=MODEL_FILE_PATTERNS,
+            allow_patterns=allow_patterns or MODEL_FILE_PATTERNS,
             local_files_only=offline,
             token=token,
+            endpoint=endpoint,
         )
         return Path(out)
+    except IncompleteSnapshotError as e:
+        found = re.search(r"(\d+) file\(s\) are missing \(([^,)]+)", str(e))
+        what_missing = f" ({found.group(1)} file(s) missing, e.g. {found.group(2)})" if found else ""
+        raise PartialDownloadError(
+            f"{what} {repo_id!r} is only partly downloaded{what_missing}; "
+            f"run `dflash download {repo_id}` where the Hub is reachable to finish it"
+        ) from e
     except GatedRepoError as e:
         raise ModelNotFoundError(
             f"{what} {repo_id!r} is gated: accept its license on huggingface.co and set HF_TOKEN"
@@ -164,4 +200,16 @@ def download_model(
     except (HfHubHTTPError, OSError) as e:
         if offline:
             return None
-        raise ModelNotFoundError(f"cannot download {what} {repo_id!r}: {str(e).splitlines()[0]}") from e
+        raise ModelNotFoundError(
+            f"cannot download {what} {repo_id!r}: {str(e).splitlines()[0]}; "
+            "run the same command again to resume (finished files are kept)"
+        ) from e
+    except Exception as e:  # the HTTP client's own errors (bad HF_ENDPOINT, TLS, proxy)
+        if type(e).__module__.split(".")[0] not in ("httpx", "httpx2", "httpcore", "requests", "urllib3"):
+            raise
+        if offline:
+            return None
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ModelNotFoundError(
+            f"cannot reach the Hugging Face Hub for {what} {repo_id!r}: {first}; check the network or HF_ENDPOINT"
+        ) from e

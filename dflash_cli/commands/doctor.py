@@ -1,0 +1,71 @@
+"""`dflash doctor`: check device, dtype, memory and a pair's files and compatibility, with fixes.
+
+Nothing is loaded, downloaded or converted. The report goes to stdout (or JSON with --json);
+the exit code is that of the first failed check (0 when everything can run).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated
+
+import typer
+
+from ..common import (
+    DeviceOpt,
+    DrafterOpt,
+    DtypeChoice,
+    DtypeOpt,
+    ModelOpt,
+    RevisionOpt,
+    TargetOpt,
+    load_options,
+    model_ref,
+    runtime_config,
+)
+from ..errors import handle_errors
+
+_MARK = {"ok": "✓", "warn": "!", "fail": "✗", "info": "·"}
+_COLOUR = {"ok": "\x1b[32m", "warn": "\x1b[33m", "fail": "\x1b[31m", "info": "\x1b[2m"}
+
+
+@handle_errors
+def doctor(
+    model: ModelOpt = None,
+    target: TargetOpt = None,
+    drafter: DrafterOpt = None,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = DtypeChoice.auto,
+    revision: RevisionOpt = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the checks as JSON.")] = False,
+) -> None:
+    """Check that this machine can run a pair (the embedded one by default) and print fixes."""
+    from runtime.doctor import exit_code, run_doctor
+
+    ref = model_ref(model, target, drafter)
+    checks = run_doctor(ref, runtime_config(device, dtype), load_options(True, revision))
+    code = exit_code(checks)
+    if json_out:
+        print(json.dumps({"ok": code == 0, "exit_code": code, "checks": [c.to_json() for c in checks]}, indent=2))
+    else:
+        colour = sys.stdout.isatty()
+        width = max(len(c.area) for c in checks)
+        for c in checks:
+            mark = _MARK[c.status]
+            if colour:
+                mark = f"{_COLOUR[c.status]}{mark}\x1b[0m"
+            print(f"{mark} {c.area.ljust(width)}  {c.message}")
+            if c.fix:
+                print(f"  {' ' * width}  fix: {c.fix}")
+        fails = sum(c.status == "fail" for c in checks)
+        warns = sum(c.status == "warn" for c in checks)
+        if fails:
+            verdict = f"{fails} problem{'s' if fails > 1 else ''} to fix"
+        else:
+            verdict = "ready to run"
+        if warns:
+            verdict += f", {warns} warning{'s' if warns > 1 else ''}"
+        print(verdict, file=sys.stderr)
+    if code:
+        raise typer.Exit(code=code)
