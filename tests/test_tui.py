@@ -160,6 +160,51 @@ def test_finished_answer_renders_markdown_with_numbered_code_blocks_and_copy():
     run(body())
 
 
+def test_colours_follow_the_theme():
+    async def body():
+        app = app_for(FakeBackend(), view="origin")
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(pilot)
+            await send(pilot, "write add")
+            chunk = app.query(TokenChunk).first()
+            colours = {}
+            for theme in ("textual-dark", "nord"):
+                app.theme = theme
+                await pilot.pause()
+                accepted = chunk.origin_style("accepted").foreground
+                target = chunk.origin_style("target").foreground
+                colours[theme] = (accepted.hex.lower(), target.hex.lower())
+                assert colours[theme] == (
+                    app.theme_variables["text-success"].lower(),
+                    app.theme_variables["text-accent"].lower(),
+                )
+                runs = styled_runs(chunk)
+                assert any(text == "def add" and style.foreground == accepted for text, style in runs)
+            assert colours["textual-dark"] != colours["nord"]
+
+    run(body())
+
+
+def test_a_long_answer_streams_in_chunks_without_losing_text():
+    lines = [([f"line {i}"], "\n", ["x"]) for i in range(40)]
+    backend = FakeBackend(ReplayDecoder(scripted_events(lines, first="")))
+
+    async def body():
+        app = app_for(backend, view="origin")
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(pilot)
+            await send(pilot, "count")
+            chunks = list(app.query(TokenChunk))
+            assert len(chunks) >= 3  # only the newest chunk is repainted per block
+            expected = "".join(f"line {i}\n" for i in range(40))
+            assert "".join(c.committed_text for c in chunks) == expected == app.last_answer().text
+            await pilot.press("ctrl+g")
+            await pilot.pause()
+            assert transcript_text(app) == expected
+
+    run(body())
+
+
 # -- stopping ------------------------------------------------------------------------------------
 
 
