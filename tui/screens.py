@@ -17,7 +17,7 @@ from .store import SessionInfo
 
 KEYS: list[tuple[str, str]] = [
     ("Enter", "send the prompt"),
-    ("Shift+Enter, Ctrl+J, Alt+Enter", "new line in the prompt (a paste keeps its newlines)"),
+    ("Shift+Enter, Ctrl+J", "new line in the prompt (also Alt+Enter; a paste keeps its newlines)"),
     ("Up / Down", "previous / next prompt from the history (on the first / last line)"),
     ("Esc", "stop the generation, keep the partial answer"),
     ("Ctrl+C", "stop the generation; press twice to quit"),
