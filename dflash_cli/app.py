@@ -9,6 +9,7 @@ import typer
 from .commands.doctor import doctor
 from .commands.download import download
 from .commands.models import models_app
+from .commands.chat import chat
 from .commands.run import run
 from .commands.setup import setup
 from .commands.train import train
@@ -50,6 +51,7 @@ app.command("train")(train)
 app.command("download")(download)
 app.add_typer(models_app, name="models")
 app.command("doctor")(doctor)
+app.command("chat")(chat)
 
 
 def quiet_libraries() -> None:

@@ -1,0 +1,165 @@
+"""`dflash chat`: the terminal chat (Textual), showing speculative decoding at work.
+
+Options are those of `dflash run`; the model loads inside the app (with progress), so a load
+failure shows there and the app stays usable. Sessions and prompt history live in SQLite under
+dflash's state directory; `--history` lists them, `--resume ID|last` opens one.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from ..common import (
+    BlockSizeOpt,
+    DecoderChoice,
+    DecoderOpt,
+    DeviceOpt,
+    DrafterOpt,
+    DtypeChoice,
+    DtypeOpt,
+    MaxTokensOpt,
+    ModelOpt,
+    OfflineOpt,
+    QuantizeOpt,
+    RevisionOpt,
+    SeedOpt,
+    TargetOpt,
+    TemperatureOpt,
+    ThreadsOpt,
+    TopKOpt,
+    TopPOpt,
+    VerifyOpt,
+    load_options,
+    model_ref,
+    runtime_config,
+    state_dir,
+)
+from ..errors import handle_errors
+
+if TYPE_CHECKING:
+    from runtime import Backend
+
+
+def chat_db() -> Path:
+    """The SQLite file of chat sessions and prompt history."""
+    return state_dir() / "chat.sqlite3"
+
+
+def interactive() -> bool:
+    """True when stdin, stdout and stderr are a terminal (Textual draws on stderr)."""
+    return all(s is not None and s.isatty() for s in (sys.stdin, sys.stdout, sys.__stderr__))
+
+
+def _resume_id(value: str, db: Path) -> int:
+    from runtime import InputError
+    from tui.store import ChatStore
+
+    store = ChatStore(db)
+    try:
+        if value == "last":
+            sessions = store.list_sessions(limit=1)
+            if not sessions:
+                raise InputError("there is no chat session to resume yet; start one with `dflash chat`")
+            return sessions[0].id
+        if not value.isdigit() or store.get_session(int(value)) is None:
+            raise InputError(f"no chat session {value!r}; `dflash chat --history` lists them")
+        return int(value)
+    finally:
+        store.close()
+
+
+@handle_errors
+def chat(
+    model: ModelOpt = None,
+    target: TargetOpt = None,
+    drafter: DrafterOpt = None,
+    max_tokens: MaxTokensOpt = 1024,
+    temperature: TemperatureOpt = 0.0,
+    top_p: TopPOpt = None,
+    top_k: TopKOpt = None,
+    seed: SeedOpt = 0,
+    block_size: BlockSizeOpt = None,
+    verify_length: VerifyOpt = None,
+    decoder: DecoderOpt = DecoderChoice.dflash,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = DtypeChoice.auto,
+    system: Annotated[
+        str | None, typer.Option("--system", "-s", help="System prompt (F2 edits it in the app).")
+    ] = None,
+    stop: Annotated[list[str] | None, typer.Option("--stop", help="Stop string (repeatable).")] = None,
+    history: Annotated[bool, typer.Option("--history", help="List stored chat sessions and exit.")] = False,
+    resume: Annotated[
+        str | None, typer.Option("--resume", "-r", help="Open a stored session: its id or 'last'.")
+    ] = None,
+    no_ghost: Annotated[bool, typer.Option("--no-ghost", help="Start with rejected drafts hidden.")] = False,
+    view: Annotated[
+        str, typer.Option("--view", help="Finished answers: 'markdown' or 'origin' (coloured by token origin).")
+    ] = "markdown",
+    offline: OfflineOpt = False,
+    revision: RevisionOpt = None,
+    quantize: QuantizeOpt = None,
+    threads: ThreadsOpt = None,
+) -> None:
+    """Chat in a full-screen terminal app; tokens are coloured by origin, with live statistics."""
+    from runtime import ConfigError, DecodeOptions, SamplingParams
+
+    db = chat_db()
+    if history:
+        from tui.store import ChatStore, format_sessions
+
+        store = ChatStore(db)
+        try:
+            typer.echo(format_sessions(store.list_sessions(limit=100)))
+        finally:
+            store.close()
+        return
+    if view not in ("markdown", "origin"):
+        raise typer.BadParameter(f"expected 'markdown' or 'origin', got {view!r}", param_hint="--view")
+    params = SamplingParams(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        max_new_tokens=max_tokens,
+        stop_strings=tuple(stop or ()),
+    )
+    # --drafter none means plain decoding: no drafter to draft with.
+    plain = decoder == DecoderChoice.ar or (drafter or "").lower() == "none"
+    opts = DecodeOptions(decoder="ar" if plain else "dflash", block_size=block_size, verify_length=verify_length)
+    ref = model_ref(model, target, drafter)
+    runtime = runtime_config(device, dtype, threads)
+    loading = load_options(offline, revision, quantize)
+    resume_id = _resume_id(resume, db) if resume is not None else None
+    if not interactive():
+        raise ConfigError(
+            "dflash chat needs an interactive terminal (stdin, stdout and stderr); "
+            "in pipes and scripts use `dflash run`"
+        )
+
+    def backend_factory(progress: Callable[[str], None]) -> Backend:
+        from transformers.utils import logging as hf_logging
+
+        from runtime import load_pipeline
+
+        hf_logging.disable_progress_bar()
+        return load_pipeline(ref, runtime, loading, progress=progress)
+
+    from tui import ChatConfig, make_app
+
+    label = target or model or "embedded default pair"
+    config = ChatConfig(
+        params=params,
+        decode=opts,
+        system=system,
+        db_path=db,
+        resume=resume_id,
+        show_ghost=not no_ghost,
+        view=view,  # type: ignore[arg-type]
+        model_label=label,
+    )
+    make_app(backend_factory, config).run()
