@@ -6,6 +6,7 @@ from typing import Annotated
 
 import typer
 
+from .commands.bench import bench_app
 from .commands.run import run
 from .commands.setup import setup
 
@@ -42,6 +43,7 @@ def _root(
 
 app.command("run")(run)
 app.command("setup")(setup)
+app.add_typer(bench_app, name="bench")
 
 
 def quiet_libraries() -> None:
