@@ -97,6 +97,8 @@ class BenchStore:
             raise DFlashError(
                 f"bench history {self.path} is unreadable ({e}); move it away to start a new history"
             ) from None
+        except OSError as e:
+            raise DFlashError(f"cannot open bench history {self.path}: {e}") from None
 
     def save(self, document: dict[str, Any], label: str | None = None) -> int:
         """Store a run's JSON document; returns its run id (also written into ``document``)."""

@@ -249,3 +249,24 @@ def test_no_drafter_skips_dflash_or_refuses_it(models):
     assert r.exit_code == 0, r.output
     assert [m["name"] for m in json.loads(r.stdout)["methods"]] == ["ar", "hf", "pld"]
     assert "skipping the dflash rows" in r.stderr
+
+
+def test_results_survive_an_unwritable_history(models, tmp_path, monkeypatch):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    monkeypatch.setenv("DFLASH_HOME", str(blocker))  # the state dir cannot be created under a file
+    r = bench(*pair_args(models), "--prompts", str(models["prompts"]), "-n", "4", "--methods", "ar")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["run_id"] is None and doc["methods"][0]["name"] == "ar"
+    assert "this run was not stored" in r.stderr and "| ar " in r.stderr
+
+
+def test_sampling_runs_without_the_greedy_check(models):
+    r = bench(*pair_args(models), "--prompts", str(models["prompts"]), "-n", "5", "-t", "0.8", "--methods", "hf,dflash")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["config"]["temperature"] == 0.8
+    assert [m["agreement"] for m in doc["methods"]] == [None, None, None]
+    assert all(run["new_tokens"] == 5 for m in doc["methods"] for run in m["runs"])
+    assert "temperature 0.8" in r.stderr

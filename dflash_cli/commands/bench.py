@@ -138,7 +138,7 @@ def bench(
     from runtime.bench import BenchConfig, load_assistant, run_bench
     from runtime.bench_store import BenchStore
     from runtime.datasets import load_dataset, load_prompt_file
-    from runtime.errors import ConfigError
+    from runtime.errors import ConfigError, DFlashError
 
     if raw and chat:
         raise ConfigError("--raw and --chat exclude each other")
@@ -174,7 +174,11 @@ def bench(
     result = _run_with_progress(run_bench, pipe, prompt_set, config, helper, quantize)
     doc = result.to_json(with_tokens=tokens)
     store = BenchStore(db_path())
-    run_id = store.save(doc, label)
+    try:
+        run_id: int | None = store.save(doc, label)
+    except DFlashError as e:  # the measurements still go out
+        _err(f"dflash: warning: {e}; this run was not stored")
+        run_id = None
 
     from ..bench_render import bench_csv, bench_details, bench_header, bench_table
 
@@ -182,7 +186,8 @@ def bench(
     _err(bench_table(doc))
     for line in bench_details(doc):
         _err(line)
-    _err(f"saved as run {run_id} in {store.path} (dflash bench history; dflash bench compare <A> {run_id})")
+    if run_id is not None:
+        _err(f"saved as run {run_id} in {store.path} (dflash bench history; dflash bench compare <A> {run_id})")
     if fmt == BenchFormat.json:
         sys.stdout.write(json.dumps(doc, ensure_ascii=False) + "\n")
     elif fmt == BenchFormat.md:
