@@ -16,23 +16,45 @@ must reproduce ``ar``'s tokens; the first divergence is reported when they do no
 batched verify and a one-token forward may break near-ties differently; DFLASH.md).
 
 Results are frozen dataclasses (``BenchResult``); the CLI renders them and stores them
-(``runtime.bench_store``). Nothing here prints.
+(``runtime.bench_store``). Timed runs and the assistant model live in ``runtime.bench_methods``,
+pitfall checks in ``runtime.bench_pitfalls``, the recorded environment in ``runtime.bench_env``.
+Nothing here prints.
 """
 
 from __future__ import annotations
 
-import platform
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
-from .bench_methods import PeakMemory, PromptRun, run_decoder, run_generate
+from .bench_env import environment
+from .bench_methods import Assistant, PeakMemory, PromptRun, load_assistant, run_decoder, run_generate
+from .bench_pitfalls import BenchWarning, drafter_dtype, drafter_training, drafter_training_length, find_pitfalls
 from .config import DecodeOptions, SamplingParams
 from .datasets import Prompt, PromptMode, PromptSet
-from .errors import ConfigError, IncompatibleDraftError, InputError
+from .errors import ConfigError, InputError
+
+__all__ = [
+    "Assistant",
+    "BenchConfig",
+    "BenchResult",
+    "BenchWarning",
+    "Divergence",
+    "MethodResult",
+    "MethodSpec",
+    "PromptRun",
+    "drafter_dtype",
+    "drafter_training_length",
+    "encode_prompt",
+    "environment",
+    "find_pitfalls",
+    "first_divergence",
+    "load_assistant",
+    "run_bench",
+    "summarise",
+]
 
 METHODS = ("ar", "hf", "pld", "assisted", "dflash")
 SCHEMA = "dflash.bench/1"
@@ -258,15 +280,6 @@ class MethodResult:
 
 
 @dataclass(frozen=True)
-class BenchWarning:
-    """A pitfall found in a run, with its fix."""
-
-    code: str
-    message: str
-    fix: str
-
-
-@dataclass(frozen=True)
 class BenchResult:
     """One bench run.
 
@@ -343,67 +356,6 @@ def template_has_thinking(pipe: Any) -> bool:
     """True when the target's chat template has a thinking switch (``enable_thinking``)."""
     tmpl = getattr(pipe.tokenizer, "chat_template", None) if pipe.tokenizer is not None else None
     return isinstance(tmpl, str) and "enable_thinking" in tmpl
-
-
-# -- the assistant model (assisted generation) ------------------------------------------------
-@dataclass
-class Assistant:
-    """A small draft model for transformers' assisted generation.
-
-    Attributes:
-        name: what the user named.
-        path: its folder.
-        model: the loaded causal LM (same device and dtype as the target).
-        tokenizer: its tokenizer (None when the folder has none).
-        same_vocab_size: its embedding has as many rows as the target's.
-    """
-
-    name: str
-    path: Path
-    model: Any
-    tokenizer: Any | None
-    same_vocab_size: bool
-
-
-def load_assistant(ref: str, pipe: Any, opts: Any) -> Assistant:
-    """Resolve, check and load an assistant model for ``assisted`` runs.
-
-    The tokenizers are compared before any weight is loaded: assisted generation as benchmarked
-    here needs the target's tokenizer.
-
-    Args:
-        ref: Hub id or local folder.
-        pipe: the loaded target pipeline.
-        opts: ``LoadOptions`` (cache, offline, token).
-
-    Raises:
-        ModelNotFoundError, ModelLoadError: as for targets.
-        IncompatibleDraftError: the assistant uses another tokenizer.
-    """
-    from .hub import resolve_model
-    from .pipeline import load_target_model, load_tokenizer, read_target_config
-
-    path = resolve_model(ref, "assistant", cache_dir=opts.hf_cache_dir, offline=opts.offline, token=opts.token)
-    cfg = read_target_config(path)
-    tok = load_tokenizer(path)
-    target_name = pipe.pair.target_name
-    a_vocab = int(cfg.get_text_config().vocab_size) if hasattr(cfg, "get_text_config") else int(cfg.vocab_size)
-    t_vocab = pipe.target.vocab_size
-    fix = (
-        "assisted generation needs a draft model with the target's tokenizer (e.g. a smaller model of the same family)"
-    )
-    if tok is not None and pipe.tokenizer is not None:
-        if tok.get_vocab() != pipe.tokenizer.get_vocab():
-            raise IncompatibleDraftError(
-                f"assistant {ref} uses a different tokenizer ({len(tok)} tokens) from target {target_name} "
-                f"({len(pipe.tokenizer)} tokens); {fix}"
-            )
-    elif a_vocab != t_vocab:
-        raise IncompatibleDraftError(
-            f"assistant {ref} has a vocabulary of {a_vocab} tokens but target {target_name} has {t_vocab}; {fix}"
-        )
-    model = load_target_model(path, pipe.device, pipe.dtype)
-    return Assistant(ref, path, model, tok or pipe.tokenizer, a_vocab == t_vocab)
 
 
 # -- summaries -------------------------------------------------------------------------------
@@ -503,183 +455,6 @@ def summarise(
         agreement=agreement,
         first_divergence=divergence,
     )
-
-
-# -- pitfalls --------------------------------------------------------------------------------
-def _drafter_training(raw: dict[str, Any]) -> dict[str, Any]:
-    """Training metadata a drafter config may carry (``training`` or inside ``dflash_config``)."""
-    info = dict(raw.get("dflash_config", {}).get("training") or {})
-    info.update(raw.get("training") or {})
-    return info
-
-
-def drafter_training_length(raw: dict[str, Any]) -> int | None:
-    """Sequence length the drafter was trained on, when its config records it.
-
-    Looks at ``training.max_len`` (also ``max_length``/``seq_len``, at top level or inside
-    ``dflash_config``); published configs do not record it (None).
-    """
-    info = _drafter_training(raw)
-    for key in ("max_len", "max_length", "seq_len", "max_seq_len"):
-        if info.get(key):
-            return int(info[key])
-    return None
-
-
-def drafter_dtype(raw: dict[str, Any]) -> str | None:
-    """Dtype of the target features the drafter was trained on (``training.dtype``, else the
-    checkpoint's ``torch_dtype``/``dtype``)."""
-    info = _drafter_training(raw)
-    value = info.get("dtype") or raw.get("torch_dtype") or raw.get("dtype")
-    return str(value) if value else None
-
-
-def find_pitfalls(
-    results: Sequence[MethodResult],
-    *,
-    drafter_name: str | None = None,
-    thinking: bool = False,
-    drafter_thinking: bool = False,
-    quantized: str | None = None,
-    drafter_dtype_name: str | None = None,
-    longest_context: int = 0,
-    drafter_train_length: int | None = None,
-) -> list[BenchWarning]:
-    """The known ways a bench result misleads, each with its fix.
-
-    Args:
-        results: the rows (``ar`` included).
-        drafter_name: the DFlash drafter (None: no DFlash row).
-        thinking: the chat template's thinking mode was on.
-        drafter_thinking: the drafter was trained on thinking-mode answers.
-        quantized: the target's quantization scheme (None: not quantized).
-        drafter_dtype_name: dtype of the features the drafter was trained on.
-        longest_context: the longest prompt + new tokens of the run.
-        drafter_train_length: the drafter's training sequence length (None: unknown).
-    """
-    out: list[BenchWarning] = []
-    fixes = {
-        "dflash-b": (
-            "a long verify block costs more than it saves at this acceptance: leave --block-size out so the runtime "
-            "picks the verify length for the device, or sweep smaller blocks (--block-size 2,3,4)"
-        ),
-        "dflash": (
-            "the drafter's acceptance is too low to pay for drafting on this device: train it longer (`dflash train`), "
-            "or decode plainly here (dflash run --decoder ar)"
-        ),
-        "pld": "prompt lookup only pays when the answer repeats the prompt (edits, refactors); for new code use dflash",
-        "assisted": "the assistant is too slow or too often wrong for this target: pick a smaller assistant or dflash",
-    }
-    for m in results:
-        key = "dflash-b" if m.name.startswith("dflash-b") else m.method
-        if key in fixes and m.speedup is not None and m.speedup < 1.0:
-            tau = f", tau {m.tau:.2f}" if m.tau is not None else ""
-            out.append(
-                BenchWarning(
-                    "slower-than-ar",
-                    f"{m.label} is slower than plain decoding ({m.speedup:.2f}x{tau})",
-                    fixes[key],
-                )
-            )
-    has_dflash = drafter_name is not None and any(m.method == "dflash" for m in results)
-    if has_dflash and thinking and not drafter_thinking:
-        out.append(
-            BenchWarning(
-                "thinking-mode",
-                f"thinking mode is on but drafter {drafter_name} was trained on answers without thinking, "
-                "so acceptance drops on the reasoning text",
-                "drop --thinking (published DFlash results are with thinking off) or use a drafter trained with it",
-            )
-        )
-    if has_dflash and quantized:
-        dt = drafter_dtype_name or "bfloat16"
-        if dt in ("bfloat16", "float16", "float32"):
-            out.append(
-                BenchWarning(
-                    "quantized-target",
-                    f"the target is quantized ({quantized}) but drafter {drafter_name} was trained on {dt} features "
-                    "of the unquantized target; its inputs shift and acceptance can drop",
-                    "compare with the unquantized target (run without --quantize), or fine-tune the drafter on the "
-                    "quantized target with `dflash train`",
-                )
-            )
-    if has_dflash and drafter_train_length and longest_context > drafter_train_length:
-        out.append(
-            BenchWarning(
-                "context-beyond-training",
-                f"prompts run to {longest_context} tokens, beyond the {drafter_train_length} tokens drafter "
-                f"{drafter_name} was trained on; acceptance falls off past that",
-                "use shorter prompts or fewer --max-tokens, or a drafter trained on longer sequences",
-            )
-        )
-    return out
-
-
-# -- environment -----------------------------------------------------------------------------
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def model_revision(path: Path | None) -> str | None:
-    """Revision of a model folder: the Hub commit of a cache snapshot, or the embedded GGUF's sha256."""
-    if path is None:
-        return None
-    parts = Path(path).parts
-    if "snapshots" in parts and parts.index("snapshots") + 1 < len(parts):
-        return parts[parts.index("snapshots") + 1]
-    marker = Path(path) / "dflash-embedded.json"
-    if marker.exists():
-        import json
-
-        try:
-            return "gguf-sha256:" + str(json.loads(marker.read_text()).get("gguf_sha256"))
-        except (OSError, ValueError):
-            return None
-    return None
-
-
-def environment(pipe: Any, assistant: Assistant | None = None, quantize: str | None = None) -> dict[str, Any]:
-    """Device, dtype, library versions, CPU/GPU name, models with their revisions."""
-    import torch
-    import transformers
-
-    from .device import device_description, dtype_name
-
-    try:
-        from importlib.metadata import version
-
-        dflash_version = version("dflash")
-    except Exception:
-        dflash_version = None
-    gpu = torch.cuda.get_device_name(pipe.device) if pipe.device.type == "cuda" else None
-    pair = pipe.pair
-    return {
-        "device": str(pipe.device),
-        "device_name": device_description(pipe.device),
-        "cpu": _cpu_name(),
-        "gpu": gpu,
-        "dtype": dtype_name(pipe.dtype),
-        "threads": torch.get_num_threads(),
-        "quantize": quantize,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "dflash": dflash_version,
-        "target": {"id": pair.target_name, "path": str(pair.target_dir), "revision": model_revision(pair.target_dir)},
-        "drafter": None
-        if pair.drafter_dir is None
-        else {"id": pair.drafter_name, "path": str(pair.drafter_dir), "revision": model_revision(pair.drafter_dir)},
-        "assistant": None
-        if assistant is None
-        else {"id": assistant.name, "path": str(assistant.path), "revision": model_revision(assistant.path)},
-    }
 
 
 # -- the run ---------------------------------------------------------------------------------
@@ -816,7 +591,7 @@ def run_bench(
     )
     if quant_name is None and target_quant is not None:
         quant_name = str(getattr(target_quant, "quant_method", "quantized"))
-    info = _drafter_training(raw)
+    info = drafter_training(raw)
     warnings = find_pitfalls(
         results,
         drafter_name=pipe.pair.drafter_name,

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from .config import DecodeOptions, SamplingParams
+from .errors import IncompatibleDraftError
 from .events import BlockVerified, Finished, PrefillDone
 
 
@@ -292,3 +293,64 @@ def run_generate(
         committed_in_steps=len(tokens),
         peak_memory=peak,
     )
+
+
+# -- the assistant model (assisted generation) ------------------------------------------------
+@dataclass
+class Assistant:
+    """A small draft model for transformers' assisted generation.
+
+    Attributes:
+        name: what the user named.
+        path: its folder.
+        model: the loaded causal LM (same device and dtype as the target).
+        tokenizer: its tokenizer (None when the folder has none).
+        same_vocab_size: its embedding has as many rows as the target's.
+    """
+
+    name: str
+    path: Path
+    model: Any
+    tokenizer: Any | None
+    same_vocab_size: bool
+
+
+def load_assistant(ref: str, pipe: Any, opts: Any) -> Assistant:
+    """Resolve, check and load an assistant model for ``assisted`` runs.
+
+    The tokenizers are compared before any weight is loaded: assisted generation as benchmarked
+    here needs the target's tokenizer.
+
+    Args:
+        ref: Hub id or local folder.
+        pipe: the loaded target pipeline.
+        opts: ``LoadOptions`` (cache, offline, token).
+
+    Raises:
+        ModelNotFoundError, ModelLoadError: as for targets.
+        IncompatibleDraftError: the assistant uses another tokenizer.
+    """
+    from .hub import resolve_model
+    from .pipeline import load_target_model, load_tokenizer, read_target_config
+
+    path = resolve_model(ref, "assistant", cache_dir=opts.hf_cache_dir, offline=opts.offline, token=opts.token)
+    cfg = read_target_config(path)
+    tok = load_tokenizer(path)
+    target_name = pipe.pair.target_name
+    a_vocab = int(cfg.get_text_config().vocab_size) if hasattr(cfg, "get_text_config") else int(cfg.vocab_size)
+    t_vocab = pipe.target.vocab_size
+    fix = (
+        "assisted generation needs a draft model with the target's tokenizer (e.g. a smaller model of the same family)"
+    )
+    if tok is not None and pipe.tokenizer is not None:
+        if tok.get_vocab() != pipe.tokenizer.get_vocab():
+            raise IncompatibleDraftError(
+                f"assistant {ref} uses a different tokenizer ({len(tok)} tokens) from target {target_name} "
+                f"({len(pipe.tokenizer)} tokens); {fix}"
+            )
+    elif a_vocab != t_vocab:
+        raise IncompatibleDraftError(
+            f"assistant {ref} has a vocabulary of {a_vocab} tokens but target {target_name} has {t_vocab}; {fix}"
+        )
+    model = load_target_model(path, pipe.device, pipe.dtype)
+    return Assistant(ref, path, model, tok or pipe.tokenizer, a_vocab == t_vocab)
