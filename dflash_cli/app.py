@@ -10,6 +10,7 @@ from .commands.doctor import doctor
 from .commands.download import download
 from .commands.models import models_app
 from .commands.chat import chat
+from .commands.bench import bench_app
 from .commands.run import run
 from .commands.setup import setup
 from .commands.train import train
@@ -52,6 +53,7 @@ app.command("download")(download)
 app.add_typer(models_app, name="models")
 app.command("doctor")(doctor)
 app.command("chat")(chat)
+app.add_typer(bench_app, name="bench")
 
 
 def quiet_libraries() -> None:

@@ -1,0 +1,261 @@
+"""`dflash bench`: speed tests of DFlash against plain decoding and the methods users pick instead.
+
+The table goes to stderr; stdout carries one document in the chosen --format (JSON by default).
+Every run is stored in SQLite under the state dir; `dflash bench history` lists the runs and
+`dflash bench compare A B` shows what changed. Measuring happens in runtime.bench.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+from enum import Enum
+from typing import Annotated, Any
+
+import typer
+
+from ..common import (
+    DeviceOpt,
+    DrafterOpt,
+    DtypeChoice,
+    DtypeOpt,
+    ModelOpt,
+    OfflineOpt,
+    QuantizeOpt,
+    RevisionOpt,
+    SeedOpt,
+    TargetOpt,
+    ThreadsOpt,
+    VerifyOpt,
+    load,
+    load_options,
+    state_dir,
+)
+from ..errors import handle_errors
+
+bench_app = typer.Typer(
+    help="Speed tests: DFlash vs plain decoding and the methods users pick instead, in one run.",
+    no_args_is_help=False,
+    invoke_without_command=True,
+)
+
+
+class BenchFormat(str, Enum):
+    """--format values of `dflash bench` (stdout)."""
+
+    json = "json"
+    md = "md"
+    csv = "csv"
+
+
+class ListFormat(str, Enum):
+    """--format values of `history` and `compare`."""
+
+    table = "table"
+    json = "json"
+
+
+def db_path() -> Any:
+    """The bench history database."""
+    return state_dir() / "bench.sqlite"
+
+
+def _split(value: str | None, what: str) -> list[str]:
+    return [p.strip() for p in (value or "").replace(" ", ",").split(",") if p.strip()]
+
+
+def _block_sizes(value: str | None) -> tuple[int, ...]:
+    from runtime.errors import ConfigError
+
+    try:
+        return tuple(int(p) for p in _split(value, "--block-size"))
+    except ValueError:
+        raise ConfigError(f"--block-size expects block sizes like 4,8,16, got {value!r}") from None
+
+
+def _err(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+@bench_app.callback(invoke_without_command=True)
+@handle_errors
+def bench(
+    ctx: typer.Context,
+    model: ModelOpt = None,
+    target: TargetOpt = None,
+    drafter: DrafterOpt = None,
+    dataset: Annotated[
+        str | None,
+        typer.Option("--dataset", "-d", help="Prompt set: humaneval (default), mbpp, gsm8k, mt-bench."),
+    ] = None,
+    prompts_file: Annotated[
+        str | None,
+        typer.Option("--prompts", "-p", help="Prompt file: JSONL ('prompt'/'messages' keys) or text, one per line."),
+    ] = None,
+    limit: Annotated[int | None, typer.Option("--limit", "-l", help="Use the first N prompts.")] = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="New tokens per prompt.")] = 128,
+    temperature: Annotated[float, typer.Option("--temperature", "-t", help="0 = greedy (checked against ar).")] = 0.0,
+    methods: Annotated[
+        str | None,
+        typer.Option(
+            "--methods", help="Comma list of ar,hf,pld,assisted,dflash (default: all available; ar always runs)."
+        ),
+    ] = None,
+    block_size: Annotated[
+        str | None,
+        typer.Option(
+            "--block-size", "-b", help="DFlash block sizes to sweep, e.g. 4,8,16 (default: the runtime's choice)."
+        ),
+    ] = None,
+    verify_length: VerifyOpt = None,
+    assistant: Annotated[
+        str | None,
+        typer.Option("--assistant", help="Draft model for transformers' assisted generation (Hub id or folder)."),
+    ] = None,
+    pld_tokens: Annotated[int, typer.Option("--pld-tokens", help="Drafts per step for prompt lookup.")] = 10,
+    warmup: Annotated[int, typer.Option("--warmup", help="Untimed warm-up runs per method.")] = 1,
+    stop_at_eos: Annotated[
+        bool, typer.Option("--stop-at-eos", help="Stop at EOS (default: fixed-length runs of --max-tokens).")
+    ] = False,
+    raw: Annotated[bool, typer.Option("--raw", help="All prompts as raw completions (no chat template).")] = False,
+    chat: Annotated[bool, typer.Option("--chat", help="All prompts through the chat template.")] = False,
+    thinking: Annotated[bool, typer.Option("--thinking", help="Turn the chat template's thinking mode on.")] = False,
+    seed: SeedOpt = 0,
+    fmt: Annotated[BenchFormat, typer.Option("--format", "-f", help="stdout format.")] = BenchFormat.json,
+    label: Annotated[str | None, typer.Option("--label", help="A note stored with the run (shown in history).")] = None,
+    tokens: Annotated[bool, typer.Option("--tokens", help="Include generated token ids in the JSON.")] = False,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = DtypeChoice.auto,
+    offline: OfflineOpt = False,
+    revision: RevisionOpt = None,
+    quantize: QuantizeOpt = None,
+    threads: ThreadsOpt = None,
+) -> None:
+    """Run a prompt set through ar, hf, pld, assisted and dflash on the same target; compare speed."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from runtime.bench import BenchConfig, load_assistant, run_bench
+    from runtime.bench_store import BenchStore
+    from runtime.datasets import load_dataset, load_prompt_file
+    from runtime.errors import ConfigError, DFlashError
+
+    if raw and chat:
+        raise ConfigError("--raw and --chat exclude each other")
+    if dataset and prompts_file:
+        raise ConfigError("use --dataset or --prompts, not both")
+    method_list = _split(methods, "--methods")
+    sizes = _block_sizes(block_size)
+    # Cheap checks before loading any model: the prompt set and the configuration.
+    prompt_set = (load_prompt_file(prompts_file) if prompts_file else load_dataset(dataset or "humaneval")).limit(limit)
+    wanted = tuple(method_list) if method_list else ("ar", "hf", "pld", "dflash") + (("assisted",) if assistant else ())
+    config = BenchConfig(
+        methods=wanted,
+        block_sizes=sizes,
+        verify_length=verify_length,
+        max_new_tokens=max_tokens,
+        temperature=temperature,
+        seed=seed,
+        warmup=warmup,
+        stop_at_eos=stop_at_eos,
+        pld_tokens=pld_tokens,
+        mode="raw" if raw else ("chat" if chat else None),
+        thinking=thinking,
+    )
+    if "assisted" in config.methods and not assistant:
+        raise ConfigError("the assisted method needs a draft model: pass --assistant ID|DIR")
+
+    pipe = load(model, target, drafter, device, dtype, offline, revision, quantize, threads)
+    if not method_list and pipe.drafter is None:
+        _err(f"dflash: note: no drafter loaded for {pipe.pair.target_name}; skipping the dflash rows")
+        config = replace(config, methods=tuple(m for m in config.methods if m != "dflash"), block_sizes=())
+    helper = load_assistant(assistant, pipe, load_options(offline, None, None)) if assistant else None
+
+    result = _run_with_progress(run_bench, pipe, prompt_set, config, helper, quantize)
+    doc = result.to_json(with_tokens=tokens)
+    store = BenchStore(db_path())
+    try:
+        run_id: int | None = store.save(doc, label)
+    except DFlashError as e:  # the measurements still go out
+        _err(f"dflash: warning: {e}; this run was not stored")
+        run_id = None
+
+    from ..bench_render import bench_csv, bench_details, bench_header, bench_table
+
+    _err(bench_header(doc))
+    _err(bench_table(doc))
+    for line in bench_details(doc):
+        _err(line)
+    if run_id is not None:
+        _err(f"saved as run {run_id} in {store.path} (dflash bench history; dflash bench compare <A> {run_id})")
+    if fmt == BenchFormat.json:
+        sys.stdout.write(json.dumps(doc, ensure_ascii=False) + "\n")
+    elif fmt == BenchFormat.md:
+        sys.stdout.write(bench_table(doc) + "\n")
+    else:
+        sys.stdout.write(bench_csv(doc))
+    sys.stdout.flush()
+
+
+def _run_with_progress(run_bench: Any, pipe: Any, prompt_set: Any, config: Any, helper: Any, quantize: Any) -> Any:
+    """Run the bench with a progress bar on stderr when it is a terminal."""
+    if not sys.stderr.isatty():
+        return run_bench(pipe, prompt_set, config, helper, None, quantize)
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    columns = (
+        TextColumn("bench"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        TextColumn("{task.description}"),
+    )
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("loading", total=None)
+
+        def progress(done: int, total: int, what: str) -> None:
+            bar.update(task, completed=done, total=total, description=what)
+
+        return run_bench(pipe, prompt_set, config, helper, progress, quantize)
+
+
+@bench_app.command("history")
+@handle_errors
+def history(
+    limit: Annotated[int, typer.Option("--limit", "-l", help="Show the last N runs.")] = 20,
+    fmt: Annotated[ListFormat, typer.Option("--format", "-f", help="table or json.")] = ListFormat.table,
+) -> None:
+    """List stored bench runs, newest first."""
+    from runtime.bench_store import BenchStore
+
+    from ..bench_render import history_table
+
+    runs = BenchStore(db_path()).history(limit)
+    if fmt == ListFormat.json:
+        sys.stdout.write(json.dumps([r.to_json() for r in runs], ensure_ascii=False) + "\n")
+        return
+    if not runs:
+        _err("no bench runs recorded yet; run `dflash bench`")
+        return
+    sys.stdout.write(history_table(runs) + "\n")
+
+
+@bench_app.command("compare")
+@handle_errors
+def compare(
+    run_a: Annotated[str, typer.Argument(help="Run id (see history), or 'last' / 'prev'.")],
+    run_b: Annotated[str, typer.Argument(help="Run id to compare against the first.")],
+    fmt: Annotated[ListFormat, typer.Option("--format", "-f", help="table or json.")] = ListFormat.table,
+) -> None:
+    """Show how tok/s, TTFT, tau, acceptance and speedup changed from run A to run B."""
+    from runtime.bench_store import BenchStore, compare_runs
+
+    from ..bench_render import compare_header, compare_table
+
+    store = BenchStore(db_path())
+    cmp = compare_runs(store.get(run_a), store.get(run_b))
+    if fmt == ListFormat.json:
+        sys.stdout.write(json.dumps(cmp.to_json(), ensure_ascii=False) + "\n")
+        return
+    sys.stdout.write("\n".join([*compare_header(cmp), compare_table(cmp)]) + "\n")

@@ -1,0 +1,613 @@
+"""``dflash bench``: one prompt set through several decoding methods on the same target, in one
+process, compared as ratios.
+
+Methods (``METHODS``):
+
+- ``ar``: plain greedy decoding, our loop with a block of one token (the baseline);
+- ``hf``: transformers' ``generate`` (what most users run today);
+- ``pld``: transformers' prompt-lookup decoding (drafts copied from the prompt's n-grams);
+- ``assisted``: transformers' assisted generation with a small same-tokenizer draft model;
+- ``dflash``: our DFlash decoder, at the runtime's own verify length or at each swept block size.
+
+Protocol: every method gets untimed warm-up runs first; then, prompt by prompt, every method
+runs once, the order rotating from prompt to prompt so that machine drift hits all alike. Runs are
+timed with the device synchronised around the clock (``runtime.bench_methods``). Greedy methods
+must reproduce ``ar``'s tokens; the first divergence is reported when they do not (in bf16 a
+batched verify and a one-token forward may break near-ties differently; DFLASH.md).
+
+Results are frozen dataclasses (``BenchResult``); the CLI renders them and stores them
+(``runtime.bench_store``). Timed runs and the assistant model live in ``runtime.bench_methods``,
+pitfall checks in ``runtime.bench_pitfalls``, the recorded environment in ``runtime.bench_env``.
+Nothing here prints.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from .bench_env import environment
+from .bench_methods import Assistant, PeakMemory, PromptRun, load_assistant, run_decoder, run_generate
+from .bench_pitfalls import BenchWarning, drafter_dtype, drafter_training, drafter_training_length, find_pitfalls
+from .config import DecodeOptions, SamplingParams
+from .datasets import Prompt, PromptMode, PromptSet
+from .errors import ConfigError, InputError
+
+__all__ = [
+    "Assistant",
+    "BenchConfig",
+    "BenchResult",
+    "BenchWarning",
+    "Divergence",
+    "MethodResult",
+    "MethodSpec",
+    "PromptRun",
+    "drafter_dtype",
+    "drafter_training_length",
+    "encode_prompt",
+    "environment",
+    "find_pitfalls",
+    "first_divergence",
+    "load_assistant",
+    "run_bench",
+    "summarise",
+]
+
+METHODS = ("ar", "hf", "pld", "assisted", "dflash")
+SCHEMA = "dflash.bench/1"
+Progress = Callable[[int, int, str], None]
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What to measure.
+
+    Attributes:
+        methods: methods to run (``ar`` is always added: it is the baseline).
+        block_sizes: DFlash block sizes to sweep (empty: the runtime's own choice of block and
+            verify length, as ``dflash run`` uses).
+        verify_length: drafts verified per DFlash step (None: the runtime's choice).
+        max_new_tokens: tokens generated per prompt.
+        temperature: 0 for greedy (tokens are then checked against ``ar``).
+        seed: sampling seed.
+        warmup: untimed runs per method before timing.
+        stop_at_eos: stop at EOS (default: fixed-length runs of ``max_new_tokens``).
+        pld_tokens: drafts per step for prompt lookup (transformers' ``prompt_lookup_num_tokens``).
+        pld_ngram: longest n-gram prompt lookup matches (``max_matching_ngram_size``).
+        mode: force "raw" or "chat" prompts (None: each prompt set's own).
+        thinking: turn the chat template's thinking mode on (where it has one).
+    """
+
+    methods: tuple[str, ...] = ("ar", "hf", "pld", "dflash")
+    block_sizes: tuple[int, ...] = ()
+    verify_length: int | None = None
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    seed: int = 0
+    warmup: int = 1
+    stop_at_eos: bool = False
+    pld_tokens: int = 10
+    pld_ngram: int = 2
+    mode: PromptMode | None = None
+    thinking: bool = False
+
+    def __post_init__(self) -> None:
+        unknown = [m for m in self.methods if m not in METHODS]
+        if unknown:
+            raise ConfigError(f"unknown bench method {unknown[0]!r}; use some of {', '.join(METHODS)}")
+        if not self.methods:
+            raise ConfigError(f"name at least one method among {', '.join(METHODS)}")
+        bad = [b for b in self.block_sizes if b < 2]
+        if bad:
+            raise ConfigError(f"--block-size values must be >= 2 (block size 1 is the ar row), got {bad[0]}")
+        if self.block_sizes and "dflash" not in self.methods:
+            raise ConfigError("--block-size sweeps DFlash block sizes; add dflash to --methods")
+        if self.verify_length is not None and self.verify_length < 1:
+            raise ConfigError(f"--verify-length must be >= 1, got {self.verify_length}")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"--max-tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ConfigError(f"--temperature must be >= 0, got {self.temperature}")
+        if self.warmup < 0:
+            raise ConfigError(f"--warmup must be >= 0, got {self.warmup}")
+        if self.pld_tokens < 1 or self.pld_ngram < 1:
+            raise ConfigError("prompt lookup needs --pld-tokens >= 1 and an n-gram size >= 1")
+        if self.mode not in (None, "raw", "chat"):
+            raise ConfigError(f"prompt mode must be raw or chat, got {self.mode!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when every method decodes greedily (tokens are checked against ``ar``)."""
+        return self.temperature == 0.0
+
+    def specs(self) -> list[MethodSpec]:
+        """The rows to measure: ``ar`` first, then the other methods in ``METHODS`` order."""
+        out = [MethodSpec("ar", "ar")]
+        for m in METHODS[1:]:
+            if m not in self.methods:
+                continue
+            if m == "dflash" and self.block_sizes:
+                out += [MethodSpec(f"dflash-b{b}", "dflash", b) for b in dict.fromkeys(self.block_sizes)]
+            else:
+                out.append(MethodSpec(m, m))
+        return out
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One row of the bench: a method, and for DFlash a block size (None: the drafter's own)."""
+
+    name: str
+    method: str
+    block_size: int | None = None
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Where a greedy method first produced a different token from ``ar``.
+
+    Attributes:
+        prompt_index: index of the prompt in the set.
+        prompt_id: its id.
+        position: index of the first differing generated token.
+        expected: ``ar``'s token id there (None: ``ar`` had already stopped).
+        got: the method's token id there (None: the method had stopped).
+        expected_text, got_text: those tokens decoded on their own.
+    """
+
+    prompt_index: int
+    prompt_id: str
+    position: int
+    expected: int | None
+    got: int | None
+    expected_text: str = ""
+    got_text: str = ""
+
+
+@dataclass(frozen=True)
+class MethodResult:
+    """Everything measured for one method over the prompt set.
+
+    Attributes:
+        name: row name (``ar``, ``hf``, ``pld``, ``assisted``, ``dflash`` or ``dflash-bN``).
+        method: the method.
+        draft: what proposes the drafts (drafter or assistant name, "prompt n-grams"; None).
+        block_size: DFlash block size used (None for the others).
+        verify_lengths: DFlash verify length the runtime used, per prompt.
+        runs: per-prompt measurements, in prompt order.
+        tok_s_median, tok_s_mean, tok_s_stdev, tok_s_min, tok_s_max: tokens per second over prompts.
+        ttft_median: median time to first token (s).
+        tpot_median: median time per output token after the first (s).
+        speedup: median over prompts of tok/s divided by ``ar``'s tok/s on the same prompt.
+        tau: tokens committed per target verify step (DFlash); tokens per ``generate`` step
+            (pld, assisted); 1.0 for plain decoding.
+        acceptance_rate: accepted / drafted (None when the method does not tell).
+        per_position_acceptance: for draft slot k, the share of steps verifying it in which drafts
+            1..k were all accepted (DFlash).
+        acceptance_histogram: entry i counts steps that accepted exactly i drafts (DFlash).
+        peak_memory: largest peak over the runs (bytes; None when unknown).
+        agreement: prompts whose tokens equal ``ar``'s (None when not checked: sampling).
+        first_divergence: the first prompt and token where they differ.
+    """
+
+    name: str
+    method: str
+    draft: str | None
+    block_size: int | None
+    verify_lengths: tuple[int, ...]
+    runs: tuple[PromptRun, ...]
+    tok_s_median: float
+    tok_s_mean: float
+    tok_s_stdev: float
+    tok_s_min: float
+    tok_s_max: float
+    ttft_median: float
+    tpot_median: float | None
+    speedup: float | None
+    tau: float | None
+    acceptance_rate: float | None
+    per_position_acceptance: tuple[float, ...]
+    acceptance_histogram: tuple[int, ...]
+    peak_memory: int | None
+    agreement: int | None
+    first_divergence: Divergence | None
+
+    @property
+    def label(self) -> str:
+        """Display name, e.g. ``dflash b8 (verify 3)``."""
+        if self.method != "dflash":
+            return self.name
+        text = f"dflash b{self.block_size}" if self.block_size else "dflash"
+        vl = sorted(set(self.verify_lengths))
+        if vl:
+            text += f" (verify {vl[0]})" if len(vl) == 1 else f" (verify {vl[0]}-{vl[-1]})"
+        return text
+
+    def to_json(self, prompt_ids: Sequence[str] = (), with_tokens: bool = False) -> dict[str, Any]:
+        """Plain-JSON form (per-prompt runs included; token ids only with ``with_tokens``)."""
+        runs = []
+        for i, r in enumerate(self.runs):
+            d: dict[str, Any] = {
+                "prompt": prompt_ids[i] if i < len(prompt_ids) else i,
+                "new_tokens": len(r.tokens),
+                "seconds": r.seconds,
+                "tokens_per_second": r.tokens_per_second,
+                "ttft_seconds": r.ttft_seconds,
+                "tpot_seconds": r.tpot_seconds,
+                "steps": r.steps,
+                "drafted": r.drafted,
+                "accepted": r.accepted,
+                "verify_length": r.verify_length,
+                "peak_memory_bytes": r.peak_memory,
+            }
+            if with_tokens:
+                d["tokens"] = list(r.tokens)
+            runs.append(d)
+        return {
+            "name": self.name,
+            "label": self.label,
+            "method": self.method,
+            "draft": self.draft,
+            "block_size": self.block_size,
+            "verify_lengths": list(self.verify_lengths),
+            "tokens_per_second": {
+                "median": self.tok_s_median,
+                "mean": self.tok_s_mean,
+                "stdev": self.tok_s_stdev,
+                "min": self.tok_s_min,
+                "max": self.tok_s_max,
+            },
+            "ttft_seconds": self.ttft_median,
+            "tpot_seconds": self.tpot_median,
+            "speedup": self.speedup,
+            "tau": self.tau,
+            "acceptance_rate": self.acceptance_rate,
+            "per_position_acceptance": list(self.per_position_acceptance),
+            "acceptance_histogram": list(self.acceptance_histogram),
+            "peak_memory_bytes": self.peak_memory,
+            "agreement": None
+            if self.agreement is None
+            else {
+                "prompts": len(self.runs),
+                "identical": self.agreement,
+                "first_divergence": asdict(self.first_divergence) if self.first_divergence else None,
+            },
+            "runs": runs,
+        }
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    """One bench run.
+
+    Attributes:
+        config: what was asked.
+        dataset: name, kind, source, licence and count of the prompts.
+        prompt_ids: ids of the prompts, in order.
+        prompt_tokens: their lengths in tokens.
+        environment: device, dtype, versions, CPU/GPU name, model ids and revisions.
+        methods: one result per row, ``ar`` first.
+        warnings: pitfalls found, with fixes.
+        created: UTC timestamp (ISO 8601).
+    """
+
+    config: BenchConfig
+    dataset: dict[str, Any]
+    prompt_ids: tuple[str, ...]
+    prompt_tokens: tuple[int, ...]
+    environment: dict[str, Any]
+    methods: tuple[MethodResult, ...]
+    warnings: tuple[BenchWarning, ...] = ()
+    created: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
+
+    def method(self, name: str) -> MethodResult:
+        """The row called ``name``."""
+        for m in self.methods:
+            if m.name == name:
+                return m
+        raise KeyError(name)
+
+    def to_json(self, run_id: int | None = None, with_tokens: bool = False) -> dict[str, Any]:
+        """The JSON document of ``dflash bench --format json`` (schema ``dflash.bench/1``)."""
+        cfg = asdict(self.config)
+        cfg["methods"] = list(self.config.methods)
+        cfg["block_sizes"] = list(self.config.block_sizes)
+        return {
+            "schema": SCHEMA,
+            "run_id": run_id,
+            "created": self.created,
+            "environment": self.environment,
+            "config": cfg,
+            "dataset": {**self.dataset, "prompt_ids": list(self.prompt_ids), "prompt_tokens": list(self.prompt_tokens)},
+            "methods": [m.to_json(self.prompt_ids, with_tokens) for m in self.methods],
+            "warnings": [asdict(w) for w in self.warnings],
+        }
+
+
+# -- prompts ---------------------------------------------------------------------------------
+def encode_prompt(pipe: Any, prompt: Prompt, mode: PromptMode | None = None, thinking: bool = False) -> list[int]:
+    """Token ids of a bench prompt.
+
+    Chat prompts go through the target's chat template (thinking mode as asked), or are used as
+    raw text when the target has none; raw prompts are tokenised as they are.
+
+    Raises:
+        InputError: empty prompt, or a target without a tokenizer.
+    """
+    tok = pipe.tokenizer
+    if tok is None:
+        raise InputError("this target has no tokenizer, so it cannot run text prompt sets; use a target with one")
+    use = mode or prompt.mode
+    if use == "auto":
+        use = "chat" if pipe.is_chat_model else "raw"
+    if use == "chat" and pipe.is_chat_model:
+        messages = list(prompt.messages) if prompt.messages else [{"role": "user", "content": prompt.text}]
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=thinking)
+        return list(tok.encode(text, add_special_tokens=False))
+    if not prompt.text.strip():
+        raise InputError(f"prompt {prompt.id} is empty")
+    return list(tok.encode(prompt.text, add_special_tokens=True))
+
+
+def template_has_thinking(pipe: Any) -> bool:
+    """True when the target's chat template has a thinking switch (``enable_thinking``)."""
+    tmpl = getattr(pipe.tokenizer, "chat_template", None) if pipe.tokenizer is not None else None
+    return isinstance(tmpl, str) and "enable_thinking" in tmpl
+
+
+# -- summaries -------------------------------------------------------------------------------
+def _median(xs: Sequence[float]) -> float:
+    return float(statistics.median(xs)) if xs else 0.0
+
+
+def first_divergence(expected: Sequence[int], got: Sequence[int]) -> int | None:
+    """Index of the first differing token (a length difference counts), or None if equal."""
+    for i, (a, b) in enumerate(zip(expected, got, strict=False)):
+        if a != b:
+            return i
+    return None if len(expected) == len(got) else min(len(expected), len(got))
+
+
+def summarise(
+    spec: MethodSpec,
+    runs: Sequence[PromptRun],
+    baseline: Sequence[PromptRun] | None,
+    draft: str | None,
+    check: bool,
+    prompt_ids: Sequence[str],
+    decode: Callable[[int], str] = str,
+    block_size: int | None = None,
+) -> MethodResult:
+    """Aggregate per-prompt runs into a ``MethodResult``.
+
+    Args:
+        spec: the row.
+        runs: its runs, in prompt order.
+        baseline: ``ar``'s runs on the same prompts (None for ``ar`` itself).
+        draft: display name of the draft source.
+        check: compare tokens with the baseline (greedy runs).
+        prompt_ids: ids of the prompts.
+        decode: token id -> text, for divergence reports.
+        block_size: the DFlash block size used (None for other methods).
+    """
+    tps = [r.tokens_per_second for r in runs]
+    tpots = [t for r in runs if (t := r.tpot_seconds) is not None]
+    speedup = None
+    if baseline is not None:
+        speedup = _median(
+            [r.tokens_per_second / max(b.tokens_per_second, 1e-9) for r, b in zip(runs, baseline, strict=True)]
+        )
+    elif spec.method == "ar":
+        speedup = 1.0
+    steps = sum(r.steps for r in runs)
+    tau = sum(r.committed_in_steps for r in runs) / steps if steps else None
+    drafted = [r.drafted for r in runs if r.drafted is not None]
+    accepted = [r.accepted for r in runs if r.accepted is not None]
+    rate = sum(accepted) / sum(drafted) if drafted and sum(drafted) else (0.0 if drafted else None)
+    n_pos = max((len(r.position_tried) for r in runs), default=0)
+    tried = [sum(r.position_tried[j] for r in runs if j < len(r.position_tried)) for j in range(n_pos)]
+    ok = [sum(r.position_ok[j] for r in runs if j < len(r.position_ok)) for j in range(n_pos)]
+    n_hist = max((len(r.histogram) for r in runs), default=0)
+    hist = tuple(sum(r.histogram[j] for r in runs if j < len(r.histogram)) for j in range(n_hist))
+    peaks = [r.peak_memory for r in runs if r.peak_memory is not None]
+    agreement, divergence = None, None
+    if check and baseline is not None:
+        agreement = 0
+        for i, (r, b) in enumerate(zip(runs, baseline, strict=True)):
+            pos = first_divergence(b.tokens, r.tokens)
+            if pos is None:
+                agreement += 1
+            elif divergence is None:
+                exp = b.tokens[pos] if pos < len(b.tokens) else None
+                got = r.tokens[pos] if pos < len(r.tokens) else None
+                divergence = Divergence(
+                    i,
+                    prompt_ids[i],
+                    pos,
+                    exp,
+                    got,
+                    decode(exp) if exp is not None else "",
+                    decode(got) if got is not None else "",
+                )
+    return MethodResult(
+        name=spec.name,
+        method=spec.method,
+        draft=draft,
+        block_size=block_size,
+        verify_lengths=tuple(r.verify_length for r in runs if r.verify_length is not None),
+        runs=tuple(runs),
+        tok_s_median=_median(tps),
+        tok_s_mean=float(statistics.fmean(tps)) if tps else 0.0,
+        tok_s_stdev=float(statistics.stdev(tps)) if len(tps) > 1 else 0.0,
+        tok_s_min=min(tps, default=0.0),
+        tok_s_max=max(tps, default=0.0),
+        ttft_median=_median([r.ttft_seconds for r in runs]),
+        tpot_median=_median(tpots) if tpots else None,
+        speedup=speedup,
+        tau=tau,
+        acceptance_rate=rate,
+        per_position_acceptance=tuple(o / t if t else 0.0 for o, t in zip(ok, tried, strict=True)),
+        acceptance_histogram=hist,
+        peak_memory=max(peaks) if peaks else None,
+        agreement=agreement,
+        first_divergence=divergence,
+    )
+
+
+# -- the run ---------------------------------------------------------------------------------
+def run_bench(
+    pipe: Any,
+    prompts: PromptSet,
+    config: BenchConfig,
+    assistant: Assistant | None = None,
+    progress: Progress | None = None,
+    quantize: str | None = None,
+) -> BenchResult:
+    """Run every method on every prompt and summarise.
+
+    Args:
+        pipe: the loaded pipeline (target, drafter, tokenizer).
+        prompts: the prompt set (already limited).
+        config: what to measure.
+        assistant: the draft model for ``assisted`` (required when that method is asked for).
+        progress: called as ``progress(done, total, what)`` after each run, warm-up included.
+        quantize: the quantization the target was loaded with (for records and warnings).
+
+    Returns:
+        The ``BenchResult``.
+
+    Raises:
+        ConfigError: ``dflash`` without a drafter, ``assisted`` without an assistant.
+        InputError: an empty prompt, or a prompt that does not fit the target's context.
+    """
+    specs = config.specs()
+    if any(s.method == "dflash" for s in specs) and pipe.drafter is None:
+        raise ConfigError(
+            f"no drafter is loaded for {pipe.pair.target_name}, so dflash cannot run; "
+            "name one with --drafter, or leave dflash out of --methods"
+        )
+    if any(s.method == "assisted" for s in specs) and assistant is None:
+        raise ConfigError("the assisted method needs a draft model: pass --assistant ID|DIR")
+    if not prompts.prompts:
+        raise InputError(f"prompt set {prompts.name} is empty")
+
+    encoded = [encode_prompt(pipe, p, config.mode, config.thinking) for p in prompts.prompts]
+    limit = pipe.target.max_positions
+    for p, ids in zip(prompts.prompts, encoded, strict=True):
+        if not ids:
+            raise InputError(f"prompt {p.id} encodes to no tokens")
+        if limit is not None and len(ids) + config.max_new_tokens > limit:
+            raise InputError(
+                f"prompt {p.id} has {len(ids)} tokens; with --max-tokens {config.max_new_tokens} it exceeds the "
+                f"target's context of {limit} tokens; use fewer --max-tokens or other prompts"
+            )
+    params = SamplingParams(
+        temperature=config.temperature,
+        seed=config.seed,
+        max_new_tokens=config.max_new_tokens,
+        ignore_eos=not config.stop_at_eos,
+    )
+    mem = PeakMemory(pipe.device)
+
+    def measure(spec: MethodSpec, ids: Sequence[int], p: SamplingParams) -> PromptRun:
+        if spec.method in ("ar", "dflash"):
+            opts = (
+                DecodeOptions(decoder="ar")
+                if spec.method == "ar"
+                else DecodeOptions(block_size=spec.block_size, verify_length=config.verify_length)
+            )
+            return run_decoder(pipe, opts, ids, p, mem)
+        return run_generate(
+            pipe,
+            spec.method,
+            ids,
+            p,
+            mem,
+            pld_tokens=config.pld_tokens,
+            pld_ngram=config.pld_ngram,
+            assistant=assistant,
+        )
+
+    total = len(specs) * (config.warmup + len(encoded))
+    done = 0
+    # 1. Warm-up, untimed: every method once (or --warmup times) on the first prompt, short.
+    warm = SamplingParams(
+        temperature=config.temperature,
+        seed=config.seed,
+        max_new_tokens=min(config.max_new_tokens, 16),
+        ignore_eos=True,
+    )
+    for _ in range(config.warmup):
+        for spec in specs:
+            measure(spec, encoded[0], warm)
+            done += 1
+            if progress:
+                progress(done, total, f"warm-up {spec.name}")
+
+    # 2. Timed: prompt by prompt, every method, the order rotating by one each prompt.
+    runs: dict[str, list[PromptRun]] = {s.name: [] for s in specs}
+    for i, ids in enumerate(encoded):
+        shift = i % len(specs)
+        for spec in specs[shift:] + specs[:shift]:
+            runs[spec.name].append(measure(spec, ids, params))
+            done += 1
+            if progress:
+                progress(done, total, f"{prompts.prompts[i].id} {spec.name}")
+
+    # 3. Summaries, agreement with ar, pitfalls.
+    prompt_ids = [p.id for p in prompts.prompts]
+    base = runs["ar"]
+
+    def decode_one(t: int) -> str:
+        return str(pipe.tokenizer.decode([t])) if pipe.tokenizer is not None else str(t)
+
+    drafts = {
+        "ar": None,
+        "hf": None,
+        "pld": "prompt n-grams",
+        "assisted": assistant.name if assistant else None,
+        "dflash": pipe.pair.drafter_name,
+    }
+    results = [
+        summarise(
+            s,
+            runs[s.name],
+            None if s.name == "ar" else base,
+            drafts[s.method],
+            config.greedy,
+            prompt_ids,
+            decode_one,
+            (s.block_size or pipe.block_size) if s.method == "dflash" else None,
+        )
+        for s in specs
+    ]
+    raw = pipe.drafter.config.raw if pipe.drafter is not None else {}
+    target_quant = getattr(pipe.target.config, "quantization_config", None)
+    quant_name = quantize or (
+        str(target_quant.get("quant_method", "quantized")) if isinstance(target_quant, dict) else None
+    )
+    if quant_name is None and target_quant is not None:
+        quant_name = str(getattr(target_quant, "quant_method", "quantized"))
+    info = drafter_training(raw)
+    warnings = find_pitfalls(
+        results,
+        drafter_name=pipe.pair.drafter_name,
+        thinking=config.thinking and template_has_thinking(pipe),
+        drafter_thinking=bool(info.get("thinking", False)),
+        quantized=quant_name,
+        drafter_dtype_name=drafter_dtype(raw),
+        longest_context=max(len(ids) for ids in encoded) + config.max_new_tokens,
+        drafter_train_length=drafter_training_length(raw),
+    )
+    return BenchResult(
+        config=config,
+        dataset=prompts.describe(),
+        prompt_ids=tuple(prompt_ids),
+        prompt_tokens=tuple(len(ids) for ids in encoded),
+        environment=environment(pipe, assistant, quant_name),
+        methods=tuple(results),
+        warnings=tuple(warnings),
+    )

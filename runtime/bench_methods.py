@@ -1,0 +1,356 @@
+"""Timed runs of one prompt with one decoding method, for ``runtime.bench``.
+
+Two kinds of method:
+
+- our decoders (``ar`` and ``dflash``), through ``Pipeline.make_decoder`` and the event stream;
+- transformers' ``generate`` (``hf``, ``pld``: prompt lookup, ``assisted``: a draft model),
+  run with a neutral generation config so that only the method differs (no repetition penalty or
+  other processors from the model's ``generation_config``).
+
+Every run is timed the same way: the device is synchronised, the clock starts, the method runs,
+the device is synchronised again and the clock stops. Consumer work (counting acceptance) happens
+after the clock stops; events are only appended to a list while timing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import resource
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import DecodeOptions, SamplingParams
+from .errors import IncompatibleDraftError
+from .events import BlockVerified, Finished, PrefillDone
+
+
+def sync(device: torch.device) -> None:
+    """Wait for queued device work so that host timers measure it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+class PeakMemory:
+    """Peak memory of one run: CUDA allocator peak on GPUs, peak RSS of the process on CPUs.
+
+    On Linux the RSS high-water mark is reset before each run (``/proc/self/clear_refs``), so the
+    peak belongs to that run; elsewhere it is the process's lifetime peak (``kind`` says which).
+    """
+
+    _CLEAR = Path("/proc/self/clear_refs")
+    _STATUS = Path("/proc/self/status")
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        if device.type == "cuda":
+            self.kind = "cuda-allocated"
+        elif device.type == "mps":
+            self.kind = "mps-allocated"
+        else:
+            self.kind = "rss" if self._can_reset() else "rss-lifetime"
+
+    def _can_reset(self) -> bool:
+        try:
+            self._CLEAR.write_text("5")
+            return self._hwm() is not None
+        except OSError:
+            return False
+
+    def _hwm(self) -> int | None:
+        try:
+            m = re.search(r"VmHWM:\s+(\d+)\s*kB", self._STATUS.read_text())
+        except OSError:
+            return None
+        return int(m.group(1)) * 1024 if m else None
+
+    def reset(self) -> None:
+        """Start a new measurement."""
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self.kind == "rss":
+            with contextlib.suppress(OSError):
+                self._CLEAR.write_text("5")
+
+    def peak(self) -> int | None:
+        """Bytes at the peak since ``reset`` (None when unknown)."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        if self.device.type == "mps":
+            return int(torch.mps.driver_allocated_memory())
+        if self.kind == "rss":
+            return self._hwm()
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+@dataclass(frozen=True)
+class PromptRun:
+    """One method on one prompt.
+
+    Attributes:
+        tokens: generated ids (the stop token included when one ended the run).
+        seconds: wall time from start to the last token, device-synchronised.
+        ttft_seconds: time to the first generated token.
+        steps: target verify forwards after the first token (our decoders), or decoding steps of
+            ``generate`` (one per streamer update).
+        committed_in_steps: tokens committed by those steps.
+        drafted: drafts proposed to the target (None when the method does not tell).
+        accepted: drafts the target accepted (None when unknown).
+        position_tried, position_ok: per draft slot, steps that verified it and steps in which
+            it and every earlier draft were accepted (DFlash only).
+        histogram: entry i counts steps that accepted exactly i drafts (DFlash only).
+        verify_length: drafts verified per step, as the runtime chose it (DFlash only).
+        peak_memory: bytes (see ``PeakMemory``).
+    """
+
+    tokens: tuple[int, ...]
+    seconds: float
+    ttft_seconds: float
+    steps: int
+    committed_in_steps: int
+    drafted: int | None = None
+    accepted: int | None = None
+    position_tried: tuple[int, ...] = ()
+    position_ok: tuple[int, ...] = ()
+    histogram: tuple[int, ...] = ()
+    verify_length: int | None = None
+    peak_memory: int | None = None
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Generated tokens / total time (end to end, prefill included)."""
+        return len(self.tokens) / max(self.seconds, 1e-9)
+
+    @property
+    def tpot_seconds(self) -> float | None:
+        """Time per output token after the first (None with fewer than two tokens)."""
+        n = len(self.tokens)
+        return (self.seconds - self.ttft_seconds) / (n - 1) if n > 1 else None
+
+
+def run_decoder(
+    pipe: Any, opts: DecodeOptions, prompt: Sequence[int], params: SamplingParams, mem: PeakMemory
+) -> PromptRun:
+    """Time our own decoder (``ar`` or ``dflash``) on one prompt."""
+    if opts.decoder == "ar":
+        pipe.target.set_taps(())  # no feature hooks on the target during plain decoding
+    decoder = pipe.make_decoder(opts)
+    events: list[Any] = []
+    ttft = 0.0
+    mem.reset()
+    sync(pipe.device)
+    t0 = time.perf_counter()
+    for ev in decoder.stream(prompt, params):
+        if isinstance(ev, PrefillDone):
+            ttft = time.perf_counter() - t0
+        events.append(ev)
+    sync(pipe.device)
+    seconds = time.perf_counter() - t0
+    peak = mem.peak()
+
+    tokens: list[int] = []
+    steps = committed = drafted = accepted = 0
+    block = getattr(decoder, "block_size", 1)
+    tried, ok, hist = [0] * max(block - 1, 0), [0] * max(block - 1, 0), [0] * block
+    verify_length = None
+    for ev in events:
+        if isinstance(ev, Finished):
+            verify_length = ev.stats.verify_length
+            continue
+        tokens.extend(t.token_id for t in ev.tokens)
+        if isinstance(ev, BlockVerified):
+            k, a = len(ev.draft), ev.accepted
+            steps += 1
+            committed += a + 1
+            drafted += k
+            accepted += a
+            for j in range(min(k, len(tried))):
+                tried[j] += 1
+                ok[j] += int(j < a)
+            if a < len(hist):
+                hist[a] += 1
+    is_dflash = block > 1
+    return PromptRun(
+        tokens=tuple(tokens),
+        seconds=seconds,
+        ttft_seconds=ttft,
+        steps=steps,
+        committed_in_steps=committed,
+        drafted=drafted if is_dflash else None,
+        accepted=accepted if is_dflash else None,
+        position_tried=tuple(tried),
+        position_ok=tuple(ok),
+        histogram=tuple(hist) if is_dflash else (),
+        verify_length=verify_length if is_dflash else None,
+        peak_memory=peak,
+    )
+
+
+class _Clock:
+    """A ``generate`` streamer that only notes when tokens arrive (the first call is the prompt)."""
+
+    def __init__(self) -> None:
+        self.t0 = 0.0
+        self.first: float | None = None
+        self.calls = -1
+        self.tokens = 0
+
+    def put(self, value: torch.Tensor) -> None:
+        self.calls += 1
+        if self.calls == 0:
+            return
+        if self.first is None:
+            self.first = time.perf_counter() - self.t0
+        self.tokens += int(value.numel())
+
+    def end(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def neutral_generation_config(models: Sequence[Any], eos: Sequence[int] | None) -> Iterator[None]:
+    """Swap each model's ``generation_config`` for transformers' defaults while benchmarking.
+
+    ``generate`` fills unset values from ``model.generation_config`` (repetition penalty, top-k,
+    EOS...). A fresh default config keeps the comparison with our greedy loop exact; ``eos``
+    None means fixed-length runs.
+    """
+    from transformers import GenerationConfig
+
+    saved = [m.generation_config for m in models]
+    try:
+        for m in models:
+            cfg = GenerationConfig()
+            if eos:
+                cfg.eos_token_id = list(eos)
+                cfg.pad_token_id = int(eos[0])
+            m.generation_config = cfg
+        yield
+    finally:
+        for m, cfg in zip(models, saved, strict=True):
+            m.generation_config = cfg
+
+
+def run_generate(
+    pipe: Any,
+    method: str,
+    prompt: Sequence[int],
+    params: SamplingParams,
+    mem: PeakMemory,
+    *,
+    pld_tokens: int = 10,
+    pld_ngram: int = 2,
+    assistant: Any | None = None,
+) -> PromptRun:
+    """Time transformers' ``generate`` on one prompt: plain (``hf``), prompt lookup (``pld``)
+    or assisted generation with a draft model (``assisted``)."""
+    pipe.target.set_taps(())  # DFlash feature hooks stay off the target for transformers' loops
+    model = pipe.target.model
+    kw: dict[str, Any] = {"max_new_tokens": params.max_new_tokens, "num_beams": 1}
+    if params.greedy:
+        kw["do_sample"] = False
+    else:
+        kw.update(do_sample=True, temperature=params.temperature, top_k=params.top_k or 0, top_p=params.top_p or 1.0)
+        torch.manual_seed(params.seed)
+    models = [model]
+    if method == "pld":
+        kw.update(prompt_lookup_num_tokens=pld_tokens, max_matching_ngram_size=pld_ngram)
+    elif method == "assisted":
+        assert assistant is not None, "assisted generation needs an assistant model"
+        kw["assistant_model"] = assistant.model
+        models.append(assistant.model)
+        if not assistant.same_vocab_size:  # same tokenizer, different embedding rows: transformers wants both
+            kw.update(tokenizer=pipe.tokenizer, assistant_tokenizer=assistant.tokenizer)
+    elif method != "hf":
+        raise ValueError(f"unknown generate method {method!r}")
+    eos = None if params.ignore_eos else list(pipe.stop_token_ids)
+    ids = torch.tensor([list(prompt)], dtype=torch.long, device=pipe.device)
+    clock = _Clock()
+    with neutral_generation_config(models, eos), torch.inference_mode():
+        mem.reset()
+        sync(pipe.device)
+        clock.t0 = t0 = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), streamer=clock, **kw)
+        sync(pipe.device)
+        seconds = time.perf_counter() - t0
+    peak = mem.peak()
+    tokens = tuple(int(t) for t in out[0, ids.shape[1] :].tolist())
+    steps = max(clock.calls, 0)
+    return PromptRun(
+        tokens=tokens,
+        seconds=seconds,
+        ttft_seconds=clock.first if clock.first is not None else seconds,
+        steps=steps,
+        committed_in_steps=len(tokens),
+        peak_memory=peak,
+    )
+
+
+# -- the assistant model (assisted generation) ------------------------------------------------
+@dataclass
+class Assistant:
+    """A small draft model for transformers' assisted generation.
+
+    Attributes:
+        name: what the user named.
+        path: its folder.
+        model: the loaded causal LM (same device and dtype as the target).
+        tokenizer: its tokenizer (None when the folder has none).
+        same_vocab_size: its embedding has as many rows as the target's.
+    """
+
+    name: str
+    path: Path
+    model: Any
+    tokenizer: Any | None
+    same_vocab_size: bool
+
+
+def load_assistant(ref: str, pipe: Any, opts: Any) -> Assistant:
+    """Resolve, check and load an assistant model for ``assisted`` runs.
+
+    The tokenizers are compared before any weight is loaded: assisted generation as benchmarked
+    here needs the target's tokenizer.
+
+    Args:
+        ref: Hub id or local folder.
+        pipe: the loaded target pipeline.
+        opts: ``LoadOptions`` (cache, offline, token).
+
+    Raises:
+        ModelNotFoundError, ModelLoadError: as for targets.
+        IncompatibleDraftError: the assistant uses another tokenizer.
+    """
+    from .hub import resolve_model
+    from .pipeline import load_target_model, load_tokenizer, read_target_config
+
+    path = resolve_model(ref, "assistant", cache_dir=opts.hf_cache_dir, offline=opts.offline, token=opts.token)
+    cfg = read_target_config(path)
+    tok = load_tokenizer(path)
+    target_name = pipe.pair.target_name
+    a_vocab = int(cfg.get_text_config().vocab_size) if hasattr(cfg, "get_text_config") else int(cfg.vocab_size)
+    t_vocab = pipe.target.vocab_size
+    fix = (
+        "assisted generation needs a draft model with the target's tokenizer (e.g. a smaller model of the same family)"
+    )
+    if tok is not None and pipe.tokenizer is not None:
+        if tok.get_vocab() != pipe.tokenizer.get_vocab():
+            raise IncompatibleDraftError(
+                f"assistant {ref} uses a different tokenizer ({len(tok)} tokens) from target {target_name} "
+                f"({len(pipe.tokenizer)} tokens); {fix}"
+            )
+    elif a_vocab != t_vocab:
+        raise IncompatibleDraftError(
+            f"assistant {ref} has a vocabulary of {a_vocab} tokens but target {target_name} has {t_vocab}; {fix}"
+        )
+    model = load_target_model(path, pipe.device, pipe.dtype)
+    return Assistant(ref, path, model, tok or pipe.tokenizer, a_vocab == t_vocab)
