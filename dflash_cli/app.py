@@ -6,6 +6,7 @@ from typing import Annotated
 
 import typer
 
+from .commands.quantize import quantize
 from .commands.run import run
 from .commands.setup import setup
 
@@ -42,6 +43,7 @@ def _root(
 
 app.command("run")(run)
 app.command("setup")(setup)
+app.command("quantize")(quantize)
 
 
 def quiet_libraries() -> None:
