@@ -101,6 +101,10 @@ def resolve_pair(ref: ModelRef, opts: LoadOptions, progress: Progress | None = N
         preset = presets.get_preset(presets.EMBEDDED)
     target = ref.target or (preset.target if preset else None)
     drafter = ref.drafter or (preset.drafter if preset else None)
+    if drafter is None and ref.target:
+        from .quantize_io import recorded_drafter
+
+        drafter = recorded_drafter(ref.target)  # a `dflash quantize` folder remembers its drafter
     assert target is not None
     hub = {"cache_dir": opts.hf_cache_dir, "revision": opts.revision, "offline": opts.offline, "token": opts.token}
     if target == "embedded":

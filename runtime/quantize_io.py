@@ -133,6 +133,27 @@ def check_quantize_request(scheme: str, target_dir: Path, device: torch.device, 
     return spec
 
 
+def recorded_drafter(target: str) -> str | None:
+    """The drafter `dflash quantize` recorded for a saved target folder (None: none recorded).
+
+    A subfolder name (the quantized drafter saved next to the target) becomes its full path;
+    anything else (Hub id, absolute folder, "embedded") is returned as recorded.
+    """
+    folder = Path(target).expanduser()
+    if not folder.is_dir():
+        return None
+    try:
+        raw = json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    rec = raw.get(QUANT_KEY) if isinstance(raw, dict) else None
+    drafter = rec.get("drafter") if isinstance(rec, dict) else None
+    if not isinstance(drafter, str) or not drafter:
+        return None
+    local = folder / drafter
+    return str(local) if "/" not in drafter and local.is_dir() else drafter
+
+
 def apply_saved_quantization(model: nn.Module, folder: Path, device: torch.device) -> SavedQuantization | None:
     """After loading a folder's (float) weights, quantize them as its config records.
 
@@ -158,7 +179,14 @@ def _copy_side_files(src: Path, dst: Path) -> None:
             shutil.copy2(f, dst / f.name)
 
 
-def _record(config_path: Path, scheme: Scheme, stored_quantized: bool, dtype: torch.dtype, source: str) -> None:
+def _record(
+    config_path: Path,
+    scheme: Scheme,
+    stored_quantized: bool,
+    dtype: torch.dtype,
+    source: str,
+    drafter: str | None = None,
+) -> None:
     raw = json.loads(config_path.read_text())
     raw[QUANT_KEY] = {
         "scheme": scheme.name,
@@ -170,23 +198,30 @@ def _record(config_path: Path, scheme: Scheme, stored_quantized: bool, dtype: to
         "source": source,
         "skipped": ["lm_head"],
     }
+    if drafter:
+        raw[QUANT_KEY]["drafter"] = drafter
     config_path.write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
 
 
-def save_float_for_scheme(model: nn.Module, src: Path, out: Path, scheme: str, source: str) -> None:
+def save_float_for_scheme(
+    model: nn.Module, src: Path, out: Path, scheme: str, source: str, drafter: str | None = None
+) -> None:
     """Save a float target that is quantized at load (int4, bitsandbytes): weights + recorded scheme.
 
-    Call it before quantizing ``model`` in place.
+    Call it before quantizing ``model`` in place. ``drafter`` (a Hub id, folder, "embedded", or a
+    subfolder name of ``out``) becomes the folder's default drafter (``recorded_drafter``).
     """
     spec = get_scheme(scheme)
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out))  # type: ignore[operator]
     _copy_side_files(src, out)
-    _record(out / "config.json", spec, False, dtype, source)
+    _record(out / "config.json", spec, False, dtype, source, drafter)
 
 
-def save_quantized_target(model: nn.Module, src: Path, out: Path, scheme: str, source: str) -> None:
+def save_quantized_target(
+    model: nn.Module, src: Path, out: Path, scheme: str, source: str, drafter: str | None = None
+) -> None:
     """Save a target quantized in place with int8 in torchao's safetensors format.
 
     transformers writes the tensors (``save_pretrained`` with its torchao quantizer attached, as
@@ -210,7 +245,7 @@ def save_quantized_target(model: nn.Module, src: Path, out: Path, scheme: str, s
         model.hf_quantizer = None  # type: ignore[assignment]
         del model.config.quantization_config  # type: ignore[union-attr]
     _copy_side_files(src, out)
-    _record(out / "config.json", spec, True, dtype, source)
+    _record(out / "config.json", spec, True, dtype, source, drafter)
 
 
 def save_drafter_for_scheme(drafter: Any, out: Path, scheme: str, source: str) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from . import embedded
 from .config import RuntimeConfig
 from .device import dtype_name, resolve_device, resolve_dtype
 from .errors import ConfigError
@@ -159,6 +160,19 @@ def _check_logits(model: Any, ids: list[int]) -> torch.Tensor:
         return model(input_ids=torch.tensor([ids], device=device)).logits[0].float().cpu()
 
 
+def _drafter_ref(req: QuantizeRequest, drafter_dir: Path | None, drafter_name: str | None) -> str | None:
+    """What the saved target records as its drafter, so that `dflash run --target OUT` finds it."""
+    if drafter_dir is None:
+        return None
+    if req.quantize_drafter:
+        return DRAFTER_SUBDIR
+    if drafter_dir == embedded.DRAFTER_DIR:
+        return "embedded"
+    name = drafter_name or str(drafter_dir)
+    local = Path(name).expanduser()
+    return str(local.resolve()) if local.is_dir() else name  # a Hub id stays an id
+
+
 def _warm_imports(target_dir: Path) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -226,13 +240,14 @@ def quantize_pair(
     source = pair.target_name
     mem_before = weight_bytes(model)
     check_ids = (prompts[0] if prompts else list(range(1, 9)))[:16]
+    default_drafter = _drafter_ref(req, pair.drafter_dir, pair.drafter_name)
     d_before = d_after = None
     try:
         save_s = 0.0
         if not spec.stored_quantized:
             say(f"saving float weights to be quantized at load ({spec.name})")
             t = time.perf_counter()
-            save_float_for_scheme(model, pair.target_dir, tmp, spec.name, source)
+            save_float_for_scheme(model, pair.target_dir, tmp, spec.name, source, default_drafter)
             save_s += time.perf_counter() - t
         if req.quantize_drafter and base.drafter is not None:
             t = time.perf_counter()
@@ -248,7 +263,7 @@ def quantize_pair(
         if spec.stored_quantized:
             say(f"saving {out}")
             t = time.perf_counter()
-            save_quantized_target(model, pair.target_dir, tmp, spec.name, source)
+            save_quantized_target(model, pair.target_dir, tmp, spec.name, source, default_drafter)
             save_s += time.perf_counter() - t
         reference = _check_logits(model, check_ids)
         if out.exists():
@@ -264,10 +279,9 @@ def quantize_pair(
 
     # 4. reload as `dflash run --target OUT` does
     drafter_out = out / DRAFTER_SUBDIR if req.quantize_drafter else None
-    drafter_ref = str(drafter_out or drafter_src) if (drafter_out or drafter_src) else "none"
     say(f"loading the quantized pair from {out}")
     quant = load_pipeline(
-        ModelRef(target=str(out), drafter=drafter_ref),
+        ModelRef(target=str(out), drafter=None if default_drafter else "none"),  # the recorded drafter
         req.runtime,
         LoadOptions(models_dir=req.load.models_dir, hf_cache_dir=req.load.hf_cache_dir, offline=True),
         progress=status,

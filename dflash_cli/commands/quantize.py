@@ -219,12 +219,15 @@ def quantize(
             style="yellow",
             soft_wrap=True,
         )
-    run_cmd = f"dflash run --target {result.out}"
     if result.drafter_out is not None:
-        run_cmd += f" --drafter {result.drafter_out}"
-    elif result.drafter_dir is not None:
-        run_cmd += f" --drafter {result.drafter_dir}"
-    console.print(f"saved {result.out}; run it with: {run_cmd}", soft_wrap=True, markup=False)
+        pair_note = f" (drafter: the quantized {result.drafter_out})"
+    elif result.drafter is not None:
+        pair_note = f" (drafter: {result.drafter}, unquantized)"
+    else:
+        pair_note = " --decoder ar (no drafter)"
+    console.print(
+        f"saved {result.out}; run it with: dflash run --target {result.out}{pair_note}", soft_wrap=True, markup=False
+    )
     if json_out:
         sys.stdout.write(json.dumps(result.to_json()) + "\n")
     else:
