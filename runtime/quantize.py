@@ -240,7 +240,11 @@ def _torchao_config(scheme: str, device: torch.device, in_features: int) -> Any 
         from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
 
         return PrototypeInt4WeightOnlyConfig(group_size=group, set_inductor_config=False)
-    return Int4WeightOnlyConfig(group_size=group, int4_packing_format="tile_packed_to_4d", set_inductor_config=False)
+    from torchao.quantization.quantize_.workflows import Int4PackingFormat
+
+    return Int4WeightOnlyConfig(  # tinygemm: needs no extra kernel package (the plain layout needs mslk)
+        group_size=group, int4_packing_format=Int4PackingFormat.TILE_PACKED_TO_4D, set_inductor_config=False
+    )
 
 
 def _bnb_module(scheme: str, linear: nn.Linear, device: torch.device) -> nn.Module:
@@ -289,7 +293,7 @@ def quantize_model_inplace(
         model: a transformers causal LM or a DFlash drafter.
         scheme: a name from ``SCHEMES``.
         device: where the model lives (and runs).
-        progress: called with (layers done, layers total) after each layer.
+        progress: called with (layers handled, layers to handle) after each layer.
 
     Returns:
         Counts and weight sizes.
@@ -309,13 +313,13 @@ def quantize_model_inplace(
         import_torchao()
         from torchao.quantization import quantize_
 
-        for _name, linear in targets:
+        for i, (_name, linear) in enumerate(targets):
             cfg = _torchao_config(spec.name, device, linear.in_features)
             if cfg is not None:
                 quantize_(linear, cfg)  # a leaf Linear: replaces its weight with a quantized tensor
                 done += 1
             if progress:
-                progress(done, len(targets))
+                progress(i + 1, len(targets))
     else:
         for name, linear in targets:
             model.set_submodule(name, _bnb_module(spec.name, linear, device))

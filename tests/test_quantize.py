@@ -235,6 +235,19 @@ def test_int4_on_cuda_needs_bfloat16():
         check_supported(SCHEMES["int4"], torch.device("cuda"), torch.float16)
 
 
+def test_int4_config_per_device_and_layer_width():
+    """The CUDA path cannot run here; at least its torchao config must build (no GPU in CI)."""
+    from runtime.quantize import _torchao_config, import_torchao
+
+    import_torchao()
+    cpu = _torchao_config("int4", torch.device("cpu"), 896)
+    cuda = _torchao_config("int4", torch.device("cuda"), 4864)
+    assert type(cpu).__name__ == "PrototypeInt4WeightOnlyConfig" and cpu.group_size == 128
+    assert type(cuda).__name__ == "Int4WeightOnlyConfig" and cuda.int4_packing_format.value == "tile_packed_to_4d"
+    assert _torchao_config("int4", torch.device("cpu"), 96).group_size == 32
+    assert _torchao_config("int4", torch.device("cpu"), 100) is None  # kept in float
+
+
 def test_missing_library_names_the_install_command(monkeypatch):
     import runtime.quantize as q
 

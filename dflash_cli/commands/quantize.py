@@ -192,25 +192,34 @@ def quantize(
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    bar = Progress(
-        TextColumn("quantizing layers"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-        disable=not console.is_terminal,
-    )
-    task = bar.add_task("layers", total=None)
+    bar: Progress | None = None  # shown while layers are quantized (the slow part on big models)
 
     def status(message: str) -> None:
         console.print(message, style="dim", soft_wrap=True, markup=False)
 
     def layers(done: int, total: int) -> None:
-        bar.update(task, completed=done, total=total)
+        nonlocal bar
+        if bar is None:
+            bar = Progress(
+                TextColumn("quantizing layers"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                console=console,
+                transient=True,
+                disable=not console.is_terminal,
+            )
+            bar.add_task("layers", total=total)
+            bar.start()
+        bar.update(bar.task_ids[0], completed=done)
+        if done >= total:
+            bar.stop()
 
-    with bar:
+    try:
         result = quantize_pair(req, status=status, layers=layers)
+    finally:
+        if bar is not None:
+            bar.stop()
     render_summary(result, console)
     if result.reload_max_diff != 0.0:
         console.print(
