@@ -196,6 +196,11 @@ def quiet_preimport() -> None:
 
 
 def import_torchao() -> Any:
+    """Import torchao quietly.
+
+    Raises:
+        MissingLibraryError: it is not installed (the message has the install command).
+    """
     if not library_installed("torchao"):
         raise MissingLibraryError(
             "torchao is not installed; install it with: " + SCHEMES["int8"].install.split("  ")[0]

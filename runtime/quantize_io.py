@@ -89,8 +89,8 @@ def ensure_float_model(folder: Path, what: str = "target") -> None:
     saved = read_saved_quantization(folder)
     if saved is not None:
         raise AlreadyQuantizedError(
-            f"the {what} in {folder} is already quantized ({saved.method}); quantize the original float "
-            "model instead, or run this folder without --quantize"
+            f"the {what} in {folder} is already quantized ({saved.method}); use it as it is, or quantize "
+            "the original float model"
         )
 
 
