@@ -11,6 +11,7 @@ from .commands.download import download
 from .commands.models import models_app
 from .commands.chat import chat
 from .commands.bench import bench_app
+from .commands.quantize import quantize
 from .commands.run import run
 from .commands.setup import setup
 from .commands.train import train
@@ -54,6 +55,7 @@ app.add_typer(models_app, name="models")
 app.command("doctor")(doctor)
 app.command("chat")(chat)
 app.add_typer(bench_app, name="bench")
+app.command("quantize")(quantize)
 
 
 def quiet_libraries() -> None:

@@ -63,7 +63,12 @@ DeviceOpt = Annotated[str, typer.Option("--device", help="auto, cpu, cuda, cuda:
 DtypeOpt = Annotated[DtypeChoice, typer.Option("--dtype", help="auto picks bf16 on CUDA/modern CPUs, fp16 on MPS.")]
 OfflineOpt = Annotated[bool, typer.Option("--offline", help="Never use the network (also HF_HUB_OFFLINE=1).")]
 RevisionOpt = Annotated[str | None, typer.Option("--revision", help="Hub revision (branch, tag, commit).")]
-QuantizeOpt = Annotated[str | None, typer.Option("--quantize", help="Quantize the target at load time: int8, int4.")]
+QuantizeOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--quantize", help="Quantize the target at load time: int8, int4 (torchao), bnb-int8, bnb-nf4 (CUDA)."
+    ),
+]
 ThreadsOpt = Annotated[int | None, typer.Option("--threads", help="CPU threads for torch.")]
 MaxTokensOpt = Annotated[int, typer.Option("--max-tokens", "-n", help="Maximum new tokens.")]
 TemperatureOpt = Annotated[float, typer.Option("--temperature", "-t", help="0 = greedy.")]

@@ -102,6 +102,10 @@ def resolve_pair(ref: ModelRef, opts: LoadOptions, progress: Progress | None = N
         preset = presets.get_preset(presets.EMBEDDED)
     target = ref.target or (preset.target if preset else None)
     drafter = ref.drafter or (preset.drafter if preset else None)
+    if drafter is None and ref.target:
+        from .quantize_io import recorded_drafter
+
+        drafter = recorded_drafter(ref.target)  # a `dflash quantize` folder remembers its drafter
     assert target is not None
     hub = {"cache_dir": opts.hf_cache_dir, "revision": opts.revision, "offline": opts.offline, "token": opts.token}
     if target == "embedded":
@@ -149,6 +153,9 @@ def load_target_model(target_dir: Path, device: torch.device, dtype: torch.dtype
 
     from transformers import AutoModelForCausalLM
 
+    from .quantize_io import apply_saved_quantization, prepare_saved_load
+
+    prepare_saved_load(target_dir, device, dtype)  # a `dflash quantize` folder: can it run here?
     kw: dict[str, Any] = {"dtype": dtype, "local_files_only": True, "trust_remote_code": False}
     if attn:
         kw["attn_implementation"] = attn
@@ -170,6 +177,7 @@ def load_target_model(target_dir: Path, device: torch.device, dtype: torch.dtype
         ) from e
     if "device_map" not in kw:
         model = model.to(device)
+    apply_saved_quantization(model, target_dir, device)  # schemes stored as float weights
     return model.eval()
 
 
@@ -214,6 +222,8 @@ class Pipeline:
         self.dtype = dtype
         self.load_seconds = load_seconds
         self.costs: VerifyCosts | None = None  # measured verify/draft costs (runtime.calibrate)
+        self.verify_cost: list[float] | None = None
+        self.quantization: str | None = None  # weight-only scheme of the target (runtime.quantize)
 
     # -- prompts -----------------------------------------------------------------------------
     @property
@@ -363,6 +373,7 @@ class Pipeline:
             "device": str(self.device),
             "dtype": dtype_name(self.dtype),
             "block_size": self.block_size,
+            "quantization": self.quantization,
         }
 
 
@@ -398,12 +409,25 @@ def load_pipeline(
     draft_cfg = read_drafter_config(pair.drafter_dir) if pair.drafter_dir else None
     if draft_cfg is not None:
         ensure_compatible(read_target_config(pair.target_dir), draft_cfg, pair.target_name, pair.drafter_name or "")
+    from .quantize_io import (
+        apply_saved_quantization,
+        check_quantize_request,
+        prepare_saved_load,
+        read_saved_quantization,
+    )
+
+    if opts.quantize:
+        check_quantize_request(opts.quantize, pair.target_dir, device, dtype)
+    if pair.drafter_dir is not None:
+        prepare_saved_load(pair.drafter_dir, device, dtype)
     if progress:
         progress(f"loading {pair.target_name} on {device} ({dtype_name(dtype)})")
     model = load_target_model(pair.target_dir, device, dtype, runtime.attn_implementation)
     if opts.quantize:
         from .quantize import quantize_model_inplace
 
+        if progress:
+            progress(f"quantizing {pair.target_name} ({opts.quantize})")
         quantize_model_inplace(model, opts.quantize, device)
     target = TargetModel(model)
     drafter = None
@@ -411,8 +435,12 @@ def load_pipeline(
         if progress:
             progress(f"loading drafter {pair.drafter_name}")
         drafter = load_draft_model(pair.drafter_dir, device, dtype)
+        apply_saved_quantization(drafter, pair.drafter_dir, device)
         ids = drafter.draft_vocab_ids
         if ids is not None and ids.numel() and int(ids.max()) >= target.vocab_size:
             raise ModelLoadError(f"drafter draft vocabulary has ids beyond the target vocab ({target.vocab_size})")
     tokenizer = load_tokenizer(pair.target_dir)
-    return Pipeline(target, drafter, tokenizer, pair, device, dtype, time.perf_counter() - t0)
+    pipe = Pipeline(target, drafter, tokenizer, pair, device, dtype, time.perf_counter() - t0)
+    saved = read_saved_quantization(pair.target_dir)
+    pipe.quantization = opts.quantize or (saved.method if saved else None)
+    return pipe
