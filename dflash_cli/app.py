@@ -7,6 +7,7 @@ from typing import Annotated
 import typer
 
 from .commands.run import run
+from .commands.serve import serve
 from .commands.setup import setup
 
 app = typer.Typer(
@@ -42,6 +43,7 @@ def _root(
 
 app.command("run")(run)
 app.command("setup")(setup)
+app.command("serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(serve)
 
 
 def quiet_libraries() -> None:
