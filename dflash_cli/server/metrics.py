@@ -4,7 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST  # of GET /metrics
 
 disable_created_metrics()  # no *_created series: only the counters people graph
 
