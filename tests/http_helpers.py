@@ -81,7 +81,7 @@ def free_port() -> int:
 class ServeProcess:
     """`python -m dflash_cli serve ARGS --port 0` in a subprocess; the port is read from stderr."""
 
-    def __init__(self, args: list[str], home: Path, env: dict[str, str] | None = None, timeout: float = 120) -> None:
+    def __init__(self, args: list[str], home: Path, env: dict[str, str] | None = None, wait: bool = True) -> None:
         e = {k: v for k, v in os.environ.items() if k not in ("DFLASH_API_KEY", "OPENAI_API_KEY")}
         e.update(
             {
@@ -105,11 +105,17 @@ class ServeProcess:
         self._ready = threading.Event()
         self.url = ""
         threading.Thread(target=self._drain, daemon=True).start()
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self, timeout: float = 120) -> ServeProcess:
+        """Block until the server prints its address (raises with its stderr if it dies first)."""
         deadline = time.monotonic() + timeout
         while not self._ready.wait(0.1):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError("dflash serve did not start:\n" + "".join(self.lines[-40:]))
+        return self
 
     def _drain(self) -> None:
         assert self.proc.stderr is not None
@@ -119,6 +125,11 @@ class ServeProcess:
             if m and not self.url:
                 self.url = m.group(1)
                 self._ready.set()
+
+    def interrupt(self) -> None:
+        """Send SIGINT (as Ctrl-C) without waiting."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
 
     def stop(self) -> int:
         """SIGINT (as Ctrl-C), then kill if it hangs; returns the exit code."""

@@ -22,20 +22,36 @@ runner = CliRunner()
 
 
 @pytest.fixture(scope="module")
-def server(tiny_pair, tmp_path_factory):
+def servers(tiny_pair, fixture_dir, tmp_path_factory):
+    """Both servers, started in parallel: the tiny pair with a tokenizer, and the reference fixture."""
     t, d = tiny_pair
-    args = ["--target", str(t), "--drafter", str(d), "--dtype", "float32", "--device", "cpu"]
-    proc = ServeProcess([*args, "--max-tokens-limit", "64", "--log-level", "warning"], tmp_path_factory.mktemp("srv"))
-    yield proc
-    assert proc.stop() == 0, "".join(proc.lines[-20:])  # Ctrl-C shuts it down cleanly
+    common = ["--dtype", "float32", "--device", "cpu", "--log-level", "warning"]
+    tiny = ServeProcess(
+        ["--target", str(t), "--drafter", str(d), "--max-tokens-limit", "64", *common],
+        tmp_path_factory.mktemp("srv"),
+        wait=False,
+    )
+    fix = ServeProcess(
+        ["--target", str(fixture_dir / "target"), "--drafter", str(fixture_dir / "drafter"), *common],
+        tmp_path_factory.mktemp("srv2"),
+        wait=False,
+    )
+    try:
+        yield tiny.wait_ready(), fix.wait_ready()
+    finally:
+        tiny.interrupt(), fix.interrupt()
+        codes = tiny.stop(), fix.stop()
+    assert codes == (0, 0), "".join(tiny.lines[-20:] + fix.lines[-20:])  # Ctrl-C shuts them down cleanly
 
 
 @pytest.fixture(scope="module")
-def fixture_server(fixture_dir, tmp_path_factory):
-    args = ["--target", str(fixture_dir / "target"), "--drafter", str(fixture_dir / "drafter"), "--dtype", "float32"]
-    proc = ServeProcess([*args, "--device", "cpu", "--log-level", "warning"], tmp_path_factory.mktemp("srv2"))
-    yield proc
-    assert proc.stop() == 0
+def server(servers):
+    return servers[0]
+
+
+@pytest.fixture(scope="module")
+def fixture_server(servers):
+    return servers[1]
 
 
 @pytest.fixture(scope="module")
@@ -288,3 +304,29 @@ def test_decoder_options_per_request(server, local):
     assert resp["choices"][0]["message"]["content"] == expected
     status, resp = post(server.url + "/v1/chat/completions", {**body, "dflash": {"decoder": "medusa"}})
     assert status == 400 and "decoder" in resp["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "opts", [DecodeOptions(), DecodeOptions(decoder="ar"), DecodeOptions(block_size=2)], ids=["dflash", "ar", "b2"]
+)
+def test_remote_backend_gives_the_local_events(server, local, opts):
+    """What chat and bench do with --server: the same Backend calls, the same events as the local pair."""
+    from runtime.remote import RemoteBackend
+
+    remote = RemoteBackend(server.url)
+    params = greedy(12, ignore_eos=True)
+    got = list(remote.stream_prompt("def add(a, b):", params, opts, chat=False))
+    want = list(local.stream_prompt("def add(a, b):", params, opts, chat=False))
+
+    def shape(events):
+        return [(type(e).__name__, [(t.token_id, t.text, t.status) for t in e.tokens]) for e in events[:-1]]
+
+    assert shape(got) == shape(want) and len(got) > 2
+    g, w = got[-1].stats, want[-1].stats
+    assert (g.generated_tokens, g.decoder, g.block_size, g.drafted_tokens) == (
+        w.generated_tokens,
+        w.decoder,
+        w.block_size,
+        w.drafted_tokens,
+    )
+    assert remote.per_token_status and remote.describe()["engine"] == "dflash"
