@@ -287,6 +287,13 @@ def test_run_with_server_json_keeps_token_origin_and_stats(fixture_server, fixtu
     assert "tau" in remote_run.stderr and "tok/s" in remote_run.stderr
 
 
+def test_run_with_server_prints_ids_when_the_served_target_has_no_tokenizer(fixture_server, fixture_dir):
+    pair = ["--target", str(fixture_dir / "target"), "--drafter", str(fixture_dir / "drafter"), "--dtype", "float32"]
+    local_run = cli([*pair, "--prompt-ids", "8,16,9,21", "-n", "12"])
+    remote_run = cli(["--server", fixture_server.url, "--prompt-ids", "8,16,9,21", "-n", "12"])
+    assert remote_run.exit_code == 0 and remote_run.stdout == local_run.stdout and remote_run.stdout.strip()
+
+
 def test_run_with_server_rejects_target_and_reports_unreachable_server(tiny_pair, server):
     r = cli(["--server", server.url, "--target", str(tiny_pair[0]), "hi"])
     assert r.exit_code == 2 and "--server excludes --target" in r.stderr

@@ -130,7 +130,7 @@ def run(
     cancel = CancelToken()
     if server:  # a remote OpenAI-compatible server generates; same events, same rendering
         remote: Any = make_backend(server, model, target, drafter, device, dtype)
-        show_ids = False
+        show_ids = remote.describe().get("tokenizer") is False  # dflash serve without a tokenizer
         if ids is not None:
             events = remote.stream_ids(ids, params, opts, cancel)
         else:

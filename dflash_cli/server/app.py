@@ -136,6 +136,7 @@ class DFlashServer:
     def _model_card(self, name: str) -> dict[str, Any]:
         details = {k: v for k, v in self.backend.describe().items() if not k.endswith("_dir")}  # no local paths
         details["chat_template"] = bool(getattr(self.backend, "is_chat_model", True))
+        details["tokenizer"] = getattr(self.backend, "tokenizer", True) is not None  # False: token ids, no text
         return {"id": name, "object": "model", "created": self.created, "owned_by": "dflash", "dflash": details}
 
     async def models(self, request: Request) -> Response:
