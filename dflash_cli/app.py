@@ -13,6 +13,7 @@ from .commands.chat import chat
 from .commands.bench import bench_app
 from .commands.quantize import quantize
 from .commands.run import run
+from .commands.serve import serve
 from .commands.setup import setup
 from .commands.train import train
 
@@ -56,6 +57,7 @@ app.command("doctor")(doctor)
 app.command("chat")(chat)
 app.add_typer(bench_app, name="bench")
 app.command("quantize")(quantize)
+app.command("serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(serve)
 
 
 def quiet_libraries() -> None:

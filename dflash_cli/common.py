@@ -18,6 +18,8 @@ import typer
 
 if TYPE_CHECKING:
     from runtime import LoadOptions, ModelRef, Pipeline, RuntimeConfig
+    from runtime.backend import Backend
+    from runtime.remote import RemoteBackend
 
 
 class DecoderChoice(str, Enum):
@@ -82,6 +84,17 @@ VerifyOpt = Annotated[
     int | None, typer.Option("--verify-length", help="Drafts verified per step (default: chosen for the device).")
 ]
 DecoderOpt = Annotated[DecoderChoice, typer.Option("--decoder", help="dflash (speculative) or ar (plain).")]
+ServerOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--server",
+        help="Use an OpenAI-compatible server (dflash serve, vLLM, SGLang) instead of local models; "
+        "API key from DFLASH_API_KEY or OPENAI_API_KEY.",
+    ),
+]
+
+# API key of --server, first one set wins.
+API_KEY_ENV = ("DFLASH_API_KEY", "OPENAI_API_KEY")
 
 
 def debug_enabled() -> bool:
@@ -203,6 +216,61 @@ def load(
     )
     remember_use(pipe, model)
     return pipe
+
+
+def api_key_from_env() -> str | None:
+    """The API key for --server: $DFLASH_API_KEY, else $OPENAI_API_KEY."""
+    for name in API_KEY_ENV:
+        value = os.environ.get(name, "").strip()
+        if value:
+            return value
+    return None
+
+
+def remote_backend(server: str, model: str | None = None) -> RemoteBackend:
+    """A backend on an OpenAI-compatible server (``--server URL``).
+
+    ``model`` picks one of the server's models; a preset name also matches its target id (so
+    ``--model qwen3-8b`` finds ``Qwen/Qwen3-8B`` on vLLM). None: the server's first model.
+    """
+    from runtime import presets
+    from runtime.remote import RemoteBackend
+
+    backend = RemoteBackend(server, api_key=api_key_from_env(), model=model)
+    if model and model.lower() in presets.PRESETS:
+        served = backend.info().models
+        target = presets.PRESETS[model.lower()].target
+        if model not in served and target in served:
+            backend = RemoteBackend(server, api_key=backend.api_key, model=target)
+    return backend
+
+
+def make_backend(
+    server: str | None,
+    model: str | None,
+    target: str | None,
+    drafter: str | None,
+    device: str,
+    dtype: DtypeChoice | str,
+    offline: bool = False,
+    revision: str | None = None,
+    quantize: str | None = None,
+    threads: int | None = None,
+) -> Backend:
+    """What run, chat and bench generate with: a remote server when ``server`` is set (``--server``),
+    else the local pair loaded from the shared options.
+
+    Both implement ``runtime.backend.Backend`` (``describe``, ``stream_prompt``,
+    ``stream_messages``); the remote one also has ``stream_ids`` and ``per_token_status``.
+
+    Raises:
+        typer.BadParameter: --server together with --target/--drafter (the server has its models).
+    """
+    if server:
+        if target or drafter:
+            raise typer.BadParameter("--server excludes --target/--drafter: the server decides the models")
+        return remote_backend(server, model)
+    return load(model, target, drafter, device, dtype, offline, revision, quantize, threads)
 
 
 def read_prompt(argument: str | None) -> str:

@@ -28,6 +28,7 @@ from ..common import (
     QuantizeOpt,
     RevisionOpt,
     SeedOpt,
+    ServerOpt,
     TargetOpt,
     TemperatureOpt,
     ThreadsOpt,
@@ -35,6 +36,7 @@ from ..common import (
     TopPOpt,
     VerifyOpt,
     load,
+    make_backend,
     parse_ids,
     read_prompt,
 )
@@ -102,6 +104,7 @@ def run(
     revision: RevisionOpt = None,
     quantize: QuantizeOpt = None,
     threads: ThreadsOpt = None,
+    server: ServerOpt = None,
 ) -> None:
     """Complete a prompt and stream the text to stdout (for pipes and scripts)."""
     from runtime import CancelToken, DecodeOptions, InputError, SamplingParams, event_to_json
@@ -123,16 +126,28 @@ def run(
         stop_strings=tuple(stop or ()),
     )
     opts = DecodeOptions(decoder=decoder.value, block_size=block_size, verify_length=verify_length)
-    pipe = load(model, target, drafter, device, dtype, offline, revision, quantize, threads)
-    if ids is None:
-        assert text is not None
-        ids = pipe.encode(text, chat=False if raw else (True if chat else None), system=system)
+    use_chat = False if raw else (True if chat else None)
+    cancel = CancelToken()
+    if server:  # a remote OpenAI-compatible server generates; same events, same rendering
+        remote: Any = make_backend(server, model, target, drafter, device, dtype)
+        show_ids = remote.describe().get("tokenizer") is False  # dflash serve without a tokenizer
+        if ids is not None:
+            events = remote.stream_ids(ids, params, opts, cancel)
+        else:
+            assert text is not None
+            events = remote.stream_prompt(text, params, opts, cancel, chat=use_chat, system=system)
+    else:
+        pipe = load(model, target, drafter, device, dtype, offline, revision, quantize, threads)
+        show_ids = pipe.tokenizer is None
+        if ids is None:
+            assert text is not None
+            ids = pipe.encode(text, chat=use_chat, system=system)
+        events = pipe.stream(ids, params, opts, cancel)
     use_color = color == ColorChoice.always or (color == ColorChoice.auto and sys.stdout.isatty())
     out = sys.stdout
-    cancel = CancelToken()
     finished = None
     with _SigintCancel(cancel):
-        for event in pipe.stream(ids, params, opts, cancel):
+        for event in events:
             if json_out:
                 out.write(json.dumps(event_to_json(event), ensure_ascii=False) + "\n")
                 out.flush()
@@ -140,7 +155,7 @@ def run(
                 pass
             else:
                 for tok in event.tokens:
-                    piece = tok.text if pipe.tokenizer is not None else f"{tok.token_id} "
+                    piece = f"{tok.token_id} " if show_ids else tok.text
                     out.write(paint(piece, tok.status.value) if use_color else piece)
                 out.flush()
             if event.type == "done":
