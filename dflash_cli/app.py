@@ -6,11 +6,11 @@ from typing import Annotated
 
 import typer
 
+from .commands.bench import bench_app
+from .commands.chat import chat
 from .commands.doctor import doctor
 from .commands.download import download
 from .commands.models import models_app
-from .commands.chat import chat
-from .commands.bench import bench_app
 from .commands.quantize import quantize
 from .commands.run import run
 from .commands.serve import serve

@@ -222,7 +222,6 @@ class Pipeline:
         self.dtype = dtype
         self.load_seconds = load_seconds
         self.costs: VerifyCosts | None = None  # measured verify/draft costs (runtime.calibrate)
-        self.verify_cost: list[float] | None = None
         self.quantization: str | None = None  # weight-only scheme of the target (runtime.quantize)
 
     # -- prompts -----------------------------------------------------------------------------
