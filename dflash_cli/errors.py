@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import typer
+from typer.exceptions import TyperException
 
 from .common import debug_enabled
 
@@ -44,8 +45,8 @@ def handle_errors(fn: F) -> F:
                 pass
             print("\ndflash: interrupted", file=sys.stderr, flush=True)
             raise typer.Exit(code=130) from None
-        except (typer.Exit, typer.Abort, SystemExit):
-            raise
+        except (typer.Exit, typer.Abort, SystemExit, TyperException):
+            raise  # usage errors (BadParameter...) keep click's own message and exit code 2
         except BrokenPipeError:
             # the reader went away (e.g. `dflash run ... | head`): not an error
             try:

@@ -191,3 +191,8 @@ def test_fixture_drafter_copy_with_top_level_keys(tmp_path, fixture_dir):
     )
     assert a.exit_code == 0 and a.stdout == b.stdout
     assert drafter_config_dict  # fakes importable
+
+
+def test_conflicting_flags_are_a_usage_error():
+    r = run(["--raw", "--chat", "x"], input="")
+    assert r.exit_code == 2 and "exclude each other" in r.output
