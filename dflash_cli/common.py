@@ -215,7 +215,23 @@ def load(
         progress=status,
     )
     remember_use(pipe, model)
+    calibrate(pipe)
     return pipe
+
+
+def calibrate(pipe: Pipeline) -> None:
+    """Give the pipeline this machine's measured verify costs (once per model/device/dtype/threads,
+    cached in DFLASH_HOME/calibration.json) so that the runtime picks the verify length from them.
+    GPUs verify a whole block for about the cost of one token and skip this."""
+    if pipe.drafter is None or pipe.device.type == "cuda":
+        return
+    from runtime.calibrate import cache_key, cached_costs
+
+    cache_file = data_home() / "calibration.json"
+    known = cache_file.exists() and cache_key(pipe) in cache_file.read_text()
+    if not known:
+        status("measuring the verify cost on this machine once (a few seconds)")
+    pipe.costs = cached_costs(pipe, cache_file)
 
 
 def api_key_from_env() -> str | None:
