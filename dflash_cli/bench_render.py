@@ -108,6 +108,13 @@ def bench_header(doc: dict[str, Any]) -> str:
     mode = "greedy" if cfg["temperature"] == 0 else f"temperature {cfg['temperature']}"
     run = f" run {doc['run_id']}" if doc.get("run_id") else ""
     quant = f", {env['quantize']}" if env.get("quantize") else ""
+    if env.get("server"):  # dflash bench --server
+        srv = env["server"]
+        dtype = f", {env['dtype']}" if env.get("dtype") not in (None, "-") else ""
+        return (
+            f"dflash bench{run}: {ds['name']} ({ds['count']} prompts x {cfg['max_new_tokens']} new tokens, {mode}) "
+            f"on {env['device_name']}{dtype}{quant}; served model {srv['model']}"
+        )
     return (
         f"dflash bench{run}: {ds['name']} ({ds['count']} prompts x {cfg['max_new_tokens']} new tokens, {mode}) "
         f"on {env['device_name']}, {env['dtype']}{quant}; torch {env['torch']}, transformers {env['transformers']}"
@@ -118,7 +125,7 @@ def bench_details(doc: dict[str, Any]) -> list[str]:
     """Lines under the table: DFlash acceptance details, divergences from ar, warnings."""
     out = []
     for m in doc["methods"]:
-        if m["method"] == "dflash" and m["acceptance_histogram"]:
+        if m["method"] in ("dflash", "server") and m["acceptance_histogram"]:
             pos = " ".join(f"{p * 100:.0f}%" for p in m["per_position_acceptance"])
             hist = " ".join(f"{i}:{n}" for i, n in enumerate(m["acceptance_histogram"]))
             out.append(f"{m['label']}: acceptance by draft position {pos or '-'} | steps by drafts accepted {hist}")

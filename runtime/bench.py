@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from .bench_env import environment
 from .bench_methods import Assistant, PeakMemory, PromptRun, load_assistant, run_decoder, run_generate
@@ -59,6 +59,7 @@ __all__ = [
 METHODS = ("ar", "hf", "pld", "assisted", "dflash")
 SCHEMA = "dflash.bench/1"
 Progress = Callable[[int, int, str], None]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -232,7 +233,7 @@ class MethodResult:
         for i, r in enumerate(self.runs):
             d: dict[str, Any] = {
                 "prompt": prompt_ids[i] if i < len(prompt_ids) else i,
-                "new_tokens": len(r.tokens),
+                "new_tokens": r.new_tokens,
                 "seconds": r.seconds,
                 "tokens_per_second": r.tokens_per_second,
                 "ttft_seconds": r.ttft_seconds,
@@ -243,8 +244,8 @@ class MethodResult:
                 "verify_length": r.verify_length,
                 "peak_memory_bytes": r.peak_memory,
             }
-            if with_tokens:
-                d["tokens"] = list(r.tokens)
+            if with_tokens:  # null: the server streamed text without token ids
+                d["tokens"] = list(r.tokens) if r.generated is None else None
             runs.append(d)
         return {
             "name": self.name,
@@ -458,6 +459,52 @@ def summarise(
 
 
 # -- the run ---------------------------------------------------------------------------------
+def timed_protocol(
+    specs: Sequence[MethodSpec],
+    prompts: Sequence[T],
+    names: Sequence[str],
+    config: BenchConfig,
+    params: SamplingParams,
+    measure: Callable[[MethodSpec, T, SamplingParams], PromptRun],
+    progress: Progress | None = None,
+) -> dict[str, list[PromptRun]]:
+    """The bench protocol: untimed warm-up, then prompt by prompt every method, order rotating.
+
+    Args:
+        specs: the rows.
+        prompts: what ``measure`` takes for each prompt (token ids, or the prompt itself).
+        names: prompt ids for progress messages.
+        config: warm-up count and token budget.
+        params: sampling of the timed runs.
+        measure: runs one row on one prompt.
+        progress: called as ``progress(done, total, what)`` after each run.
+
+    Returns:
+        Per row name, its runs in prompt order.
+    """
+    total = len(specs) * (config.warmup + len(prompts))
+    done = 0
+    # 1. Warm-up, untimed: every method once (or --warmup times) on the first prompt, short.
+    warm = replace(params, max_new_tokens=min(config.max_new_tokens, 16), ignore_eos=True)
+    for _ in range(config.warmup):
+        for spec in specs:
+            measure(spec, prompts[0], warm)
+            done += 1
+            if progress:
+                progress(done, total, f"warm-up {spec.name}")
+
+    # 2. Timed: prompt by prompt, every method, the order rotating by one each prompt.
+    runs: dict[str, list[PromptRun]] = {s.name: [] for s in specs}
+    for i, prompt in enumerate(prompts):
+        shift = i % len(specs)
+        for spec in list(specs[shift:]) + list(specs[:shift]):
+            runs[spec.name].append(measure(spec, prompt, params))
+            done += 1
+            if progress:
+                progress(done, total, f"{names[i]} {spec.name}")
+    return runs
+
+
 def run_bench(
     pipe: Any,
     prompts: PromptSet,
@@ -531,31 +578,8 @@ def run_bench(
             assistant=assistant,
         )
 
-    total = len(specs) * (config.warmup + len(encoded))
-    done = 0
-    # 1. Warm-up, untimed: every method once (or --warmup times) on the first prompt, short.
-    warm = SamplingParams(
-        temperature=config.temperature,
-        seed=config.seed,
-        max_new_tokens=min(config.max_new_tokens, 16),
-        ignore_eos=True,
-    )
-    for _ in range(config.warmup):
-        for spec in specs:
-            measure(spec, encoded[0], warm)
-            done += 1
-            if progress:
-                progress(done, total, f"warm-up {spec.name}")
-
-    # 2. Timed: prompt by prompt, every method, the order rotating by one each prompt.
-    runs: dict[str, list[PromptRun]] = {s.name: [] for s in specs}
-    for i, ids in enumerate(encoded):
-        shift = i % len(specs)
-        for spec in specs[shift:] + specs[:shift]:
-            runs[spec.name].append(measure(spec, ids, params))
-            done += 1
-            if progress:
-                progress(done, total, f"{prompts.prompts[i].id} {spec.name}")
+    # 1-2. Warm-up, then every prompt with every method.
+    runs = timed_protocol(specs, encoded, [p.id for p in prompts.prompts], config, params, measure, progress)
 
     # 3. Summaries, agreement with ar, pitfalls.
     prompt_ids = [p.id for p in prompts.prompts]

@@ -110,6 +110,8 @@ class PromptRun:
         histogram: entry i counts steps that accepted exactly i drafts (DFlash only).
         verify_length: drafts verified per step, as the runtime chose it (DFlash only).
         peak_memory: bytes (see ``PeakMemory``).
+        generated: tokens generated when their ids are unknown (a server that streams text
+            only; ``tokens`` is then empty). None: ``len(tokens)``.
     """
 
     tokens: tuple[int, ...]
@@ -124,16 +126,22 @@ class PromptRun:
     histogram: tuple[int, ...] = ()
     verify_length: int | None = None
     peak_memory: int | None = None
+    generated: int | None = None
+
+    @property
+    def new_tokens(self) -> int:
+        """Tokens generated."""
+        return len(self.tokens) if self.generated is None else self.generated
 
     @property
     def tokens_per_second(self) -> float:
         """Generated tokens / total time (end to end, prefill included)."""
-        return len(self.tokens) / max(self.seconds, 1e-9)
+        return self.new_tokens / max(self.seconds, 1e-9)
 
     @property
     def tpot_seconds(self) -> float | None:
         """Time per output token after the first (None with fewer than two tokens)."""
-        n = len(self.tokens)
+        n = self.new_tokens
         return (self.seconds - self.ttft_seconds) / (n - 1) if n > 1 else None
 
 
@@ -155,11 +163,20 @@ def run_decoder(
         events.append(ev)
     sync(pipe.device)
     seconds = time.perf_counter() - t0
-    peak = mem.peak()
+    return count_events(events, seconds, ttft, getattr(decoder, "block_size", 1), mem.peak())
 
+
+def count_events(events: Sequence[Any], seconds: float, ttft: float, block: int, peak: int | None) -> PromptRun:
+    """A ``PromptRun`` from the events of one of our decoders (local, or ``dflash serve``'s).
+
+    Args:
+        events: the run's events, ``Finished`` included.
+        seconds, ttft: the run's timing.
+        block: the decoder's block size (1: plain decoding).
+        peak: peak memory in bytes (None: unknown).
+    """
     tokens: list[int] = []
     steps = committed = drafted = accepted = 0
-    block = getattr(decoder, "block_size", 1)
     tried, ok, hist = [0] * max(block - 1, 0), [0] * max(block - 1, 0), [0] * block
     verify_length = None
     for ev in events:

@@ -36,3 +36,59 @@ def tiny_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     from tests.fakes import save_pair
 
     return save_pair(tmp_path_factory.mktemp("pair"), block_size=4)
+
+
+class ServePool:
+    """`dflash serve` subprocesses shared by the test session, started on first use (several at once
+    in parallel) and stopped with Ctrl-C at its end."""
+
+    def __init__(self, specs: dict[str, list[str]], home: pytest.TempPathFactory) -> None:
+        self.specs, self.home = specs, home
+        self.procs: dict = {}
+
+    def get(self, *names: str) -> list:
+        """The servers called ``names``, ready (those not running yet start together)."""
+        from tests.http_helpers import ServeProcess
+
+        for name in names:
+            if name not in self.procs:
+                self.procs[name] = ServeProcess(self.specs[name], self.home.mktemp("srv"), wait=False)
+        return [self.procs[name].wait_ready() for name in names]
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            proc.interrupt()
+        codes = [proc.stop() for proc in self.procs.values()]
+        logs = "".join(line for proc in self.procs.values() for line in proc.lines[-20:])
+        assert all(c == 0 for c in codes), logs  # Ctrl-C shuts them down cleanly
+
+
+@pytest.fixture(scope="session")
+def serve_pool(tiny_pair: tuple[Path, Path], fixture_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """Real `dflash serve` processes on loopback ports: "tiny" (the tiny pair, with a tokenizer) and
+    "fixture" (the reference fixture: token ids, a drafter whose drafts get accepted)."""
+    t, d = tiny_pair
+    common = ["--dtype", "float32", "--device", "cpu", "--log-level", "warning"]
+    pool = ServePool(
+        {
+            "tiny": ["--target", str(t), "--drafter", str(d), "--max-tokens-limit", "64", *common],
+            "fixture": ["--target", str(fixture_dir / "target"), "--drafter", str(fixture_dir / "drafter"), *common],
+        },
+        tmp_path_factory,
+    )
+    try:
+        yield pool
+    finally:
+        pool.stop()
+
+
+@pytest.fixture(scope="session")
+def server(serve_pool: ServePool):
+    """`dflash serve` of the tiny pair (``.url`` is its root)."""
+    return serve_pool.get("tiny")[0]
+
+
+@pytest.fixture(scope="session")
+def fixture_server(serve_pool: ServePool):
+    """`dflash serve` of the reference fixture."""
+    return serve_pool.get("fixture")[0]

@@ -1,7 +1,8 @@
 """`dflash serve` for real: a subprocess on a loopback port with tiny models, driven over HTTP.
 
-Two servers per module: the tiny pair with a tokenizer (chat and text), and the reference fixture
-(token ids; its drafter was trained enough that drafts get accepted).
+Two servers per test session (conftest.py, shared with the chat/bench --server tests): the tiny pair
+with a tokenizer (chat and text), and the reference fixture (token ids; its drafter was trained
+enough that drafts get accepted).
 """
 
 from __future__ import annotations
@@ -15,43 +16,16 @@ from typer.testing import CliRunner
 from dflash_cli.app import app
 from runtime import DecodeOptions, LoadOptions, ModelRef, RuntimeConfig, SamplingParams, load_pipeline
 from runtime.events import Finished
-from tests.http_helpers import ServeProcess, get, metric, post, request, sse
+from tests.http_helpers import get, metric, post, request, sse
 
 MESSAGES = [{"role": "user", "content": "def fib(n):"}]
 runner = CliRunner()
 
 
-@pytest.fixture(scope="module")
-def servers(tiny_pair, fixture_dir, tmp_path_factory):
-    """Both servers, started in parallel: the tiny pair with a tokenizer, and the reference fixture."""
-    t, d = tiny_pair
-    common = ["--dtype", "float32", "--device", "cpu", "--log-level", "warning"]
-    tiny = ServeProcess(
-        ["--target", str(t), "--drafter", str(d), "--max-tokens-limit", "64", *common],
-        tmp_path_factory.mktemp("srv"),
-        wait=False,
-    )
-    fix = ServeProcess(
-        ["--target", str(fixture_dir / "target"), "--drafter", str(fixture_dir / "drafter"), *common],
-        tmp_path_factory.mktemp("srv2"),
-        wait=False,
-    )
-    try:
-        yield tiny.wait_ready(), fix.wait_ready()
-    finally:
-        tiny.interrupt(), fix.interrupt()
-        codes = tiny.stop(), fix.stop()
-    assert codes == (0, 0), "".join(tiny.lines[-20:] + fix.lines[-20:])  # Ctrl-C shuts them down cleanly
-
-
-@pytest.fixture(scope="module")
-def server(servers):
-    return servers[0]
-
-
-@pytest.fixture(scope="module")
-def fixture_server(servers):
-    return servers[1]
+@pytest.fixture(scope="module", autouse=True)
+def _both_servers(serve_pool):
+    """This module uses both servers: start them together (conftest.py's ``server`` and ``fixture_server``)."""
+    serve_pool.get("tiny", "fixture")
 
 
 @pytest.fixture(scope="module")

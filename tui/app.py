@@ -1,9 +1,12 @@
 """The chat app: a transcript coloured by token origin, a multi-line prompt and live statistics.
 
 The app depends on the runtime's ``Backend`` protocol only (``describe`` and ``stream_messages``):
-a local pipeline or a remote server. It is built by ``make_app(backend_factory, config)``; the
-factory runs once in a worker thread (loading a model can take a while) and generation runs in
-another worker thread that posts one message per runtime event, so the UI never blocks.
+a local pipeline or a remote server. Tokens are coloured by origin only when the backend reports it
+(``per_token_status``, True unless a backend says otherwise: vLLM and SGLang send plain text, shown
+uncoloured with the statistics the server exposes). The app is built by
+``make_app(backend_factory, config)``; the factory runs once in a worker thread (loading a model
+can take a while) and generation runs in another worker thread that posts one message per runtime
+event, so the UI never blocks.
 """
 
 from __future__ import annotations
@@ -108,6 +111,7 @@ class ChatApp(App[None]):
         self.backend_factory = backend_factory
         self.backend: Backend | None = None
         self.model_info: dict[str, Any] = {}
+        self.per_token_status = True  # the backend says which tokens were drafted (False: plain text)
         self.load_error: str | None = None
         self.store = ChatStore(self.config.db_path) if self.config.db_path is not None else ChatStore(":memory:")
         self.system = self.config.system
@@ -194,6 +198,11 @@ class ChatApp(App[None]):
             self.model_info = dict(message.backend.describe())
         except Exception:
             self.model_info = {}
+        try:
+            self.per_token_status = bool(getattr(message.backend, "per_token_status", True))
+        except Exception:
+            self.per_token_status = False
+        self.query_one(Legend).refresh()
         label = self.model_label()
         self.sub_title = label
         self._status(f"ready: {label}")
@@ -218,7 +227,11 @@ class ChatApp(App[None]):
             extras.append(f"block {info['block_size']}")
         if self.config.decode.decoder == "ar":
             extras.append("plain decoding")
-        return name + (f" · {' '.join(extras)}" if extras else "")
+        label = name + (f" · {' '.join(extras)}" if extras else "")
+        if info.get("server"):  # a remote backend
+            engine = "dflash serve" if info.get("engine") == "dflash" else info.get("engine") or "server"
+            label += f" · {engine} at {info['server']}"
+        return label
 
     # -- sending -----------------------------------------------------------------------------
     def on_prompt_input_submitted(self, message: PromptInput.Submitted) -> None:
@@ -249,13 +262,13 @@ class ChatApp(App[None]):
         self.messages.append({"role": "user", "content": text})
         conversation = ([{"role": "system", "content": self.system}] if self.system else []) + list(self.messages)
         self.transcript.mount(UserTurn(text))
-        turn = AssistantTurn(view=self.view)
+        turn = AssistantTurn(view=self.view, origin=self.per_token_status)
         self.transcript.mount(turn)
         turn.set_header("waiting for the first token…")
         self.transcript.anchor()
         self.turn = turn
         block = int(self.model_info.get("block_size") or 1)
-        self.tracker = GenerationTracker(slots=max(block - 1, 0))
+        self.tracker = GenerationTracker(slots=max(block - 1, 0), origin=self.per_token_status)
         self.cancel = CancelToken()
         self.gen_id += 1
         self.stats_bar.show(self.tracker, self.totals, running=True)
@@ -316,7 +329,8 @@ class ChatApp(App[None]):
             f"{tracker.generated_tokens} tok · {tracker.tokens_per_second:.1f} tok/s"
             f" · TTFT {tracker.ttft_seconds * 1000:.0f} ms"
         )
-        if tracker.drafted:
+        drafted = tracker.final.drafted_tokens if tracker.final is not None else tracker.drafted
+        if drafted:
             line += f" · τ {tracker.tau:.2f} · accept {tracker.acceptance_rate * 100:.0f}%"
         return line + f" · {tracker.reason}"
 

@@ -49,6 +49,8 @@ class GenerationTracker:
 
     Attributes:
         slots: draft slots per block (block size - 1) the bars show; grows if a block drafts more.
+        origin: the events say what was drafted and accepted (False for servers that stream plain
+            text: their blocks are text chunks, and the speculative counts come from the final stats).
         prompt_tokens: prompt length (from ``PrefillDone``).
         ttft: time to first token in seconds.
         seconds: device time so far (prefill + every verify step).
@@ -63,6 +65,7 @@ class GenerationTracker:
     """
 
     slots: int = 0
+    origin: bool = True
     prompt_tokens: int = 0
     ttft: float = 0.0
     seconds: float = 0.0
@@ -92,10 +95,12 @@ class GenerationTracker:
             self.seconds += event.seconds
             self.generated += len(event.tokens)
         elif isinstance(event, BlockVerified):
-            k, a = len(event.draft), event.accepted
-            self._grow(k)
             self.seconds += event.seconds
             self.generated += len(event.tokens)
+            if not self.origin:  # a chunk of text, not a verify step
+                return
+            k, a = len(event.draft), event.accepted
+            self._grow(k)
             self.steps += 1
             self.drafted += k
             self.accepted += a
@@ -107,6 +112,17 @@ class GenerationTracker:
             self.final = event.stats
             self.reason = event.reason
             self._grow(max(event.stats.block_size - 1, 0))
+            if not self.origin:
+                self._counts_from(event.stats)
+
+    def _counts_from(self, s: GenerationStats) -> None:
+        """Per-step counts from a server's final statistics (what the session totals add up)."""
+        self.steps, self.drafted, self.accepted = s.verify_steps, s.drafted_tokens, s.accepted_tokens
+        self._grow(max(len(s.per_position_acceptance), len(s.acceptance_histogram) - 1, 0))
+        self.pos_tried = [s.verify_steps if j < len(s.per_position_acceptance) else 0 for j in range(self.slots)]
+        self.pos_ok = [round(p * s.verify_steps) for p in s.per_position_acceptance]
+        self.pos_ok += [0] * (self.slots - len(self.pos_ok))
+        self.hist = list(s.acceptance_histogram) + [0] * (self.slots + 1 - len(s.acceptance_histogram))
 
     @property
     def done(self) -> bool:
@@ -124,6 +140,11 @@ class GenerationTracker:
     def ttft_seconds(self) -> float:
         """Time to first token."""
         return self.final.ttft_seconds if self.final is not None else self.ttft
+
+    @property
+    def tau_known(self) -> bool:
+        """True when there are verify steps to count (a server without statistics reports none)."""
+        return self.steps > 0 or (self.final is not None and self.final.verify_steps > 0)
 
     @property
     def tau(self) -> float:

@@ -78,6 +78,8 @@ class Legend(OriginStyled):
     DEFAULT_CSS = "Legend { height: 1; }"
 
     def render(self) -> Content:
+        if not getattr(self.app, "per_token_status", True):
+            return Content("plain text: this server does not report which tokens were drafted   F1 help")
         ghost = "shown" if self.show_ghost() else "hidden"
         return Content.assemble(
             ("accepted draft", self.origin_style(ACCEPTED)),  # type: ignore[arg-type]
@@ -123,10 +125,12 @@ class AssistantTurn(Vertical):
     mounted (events can arrive before that).
     """
 
-    def __init__(self, view: str = "markdown", stored: tuple[str, str, str] | None = None) -> None:
-        """``stored``: (text, finish reason, summary) of an answer from a stored session."""
+    def __init__(self, view: str = "markdown", stored: tuple[str, str, str] | None = None, origin: bool = True) -> None:
+        """``stored``: (text, finish reason, summary) of an answer from a stored session; ``origin``
+        False: the backend does not report token origin, so streamed text is shown plain."""
         super().__init__(classes="assistant-turn")
         self.view = view
+        self.origin = origin
         self.chunks: list[TokenChunk] = []
         self.finished = False
         self.reason: str | None = None
@@ -183,12 +187,15 @@ class AssistantTurn(Vertical):
 
     def add_tokens(self, tokens: Sequence[TokenEvent]) -> None:
         """Append committed tokens (e.g. the first token after prefill)."""
-        parts = [(t.text, t.status.value) for t in tokens]
+        parts = [(t.text, t.status.value if self.origin else PLAIN) for t in tokens]
         self._text.extend(t.text for t in tokens)
         self._show(lambda: self._paint(parts))
 
     def add_block(self, event: BlockVerified) -> None:
         """Append one verify step: accepted drafts, the rejected tail as ghost text, the target's token."""
+        if not self.origin:
+            self.add_tokens(event.tokens)
+            return
         ghost = "".join(event.rejected_text)
         cut = min(event.accepted, len(event.tokens))
         parts: list[tuple[str, str]] = []
@@ -366,7 +373,7 @@ class StatsBar(Widget):
         tokens: int,
         tps: float,
         ttft: float,
-        tau: float,
+        tau: float | None,
         rate: float,
         drafted: bool,
         slots: Sequence[float],
@@ -377,9 +384,10 @@ class StatsBar(Widget):
         bar_style = self.get_visual_style("stats--bars", partial=True)
         dim = self.get_visual_style("stats--dim", partial=True)
         accept = f"{rate * 100:.0f}%" if drafted else "–"
+        tau_text = "–" if tau is None else f"{tau:.2f}"
         return Content.assemble(
             (f"{label:<8}", lab),  # type: ignore[arg-type]
-            f"{tokens} tok  {tps:.1f} tok/s  TTFT {_ms(ttft)}  τ {tau:.2f}  accept {accept}  ",
+            f"{tokens} tok  {tps:.1f} tok/s  TTFT {_ms(ttft)}  τ {tau_text}  accept {accept}  ",
             ("slots ", dim),  # type: ignore[arg-type]
             (bars(slots), bar_style),  # type: ignore[arg-type]
             ("  hist ", dim),  # type: ignore[arg-type]
@@ -401,7 +409,7 @@ class StatsBar(Widget):
             g.generated_tokens,
             g.tokens_per_second,
             g.ttft_seconds,
-            g.tau,
+            g.tau if g.tau_known else None,
             g.acceptance_rate,
             g.drafted > 0 or (g.final is not None and g.final.drafted_tokens > 0),
             g.per_position,
@@ -417,7 +425,7 @@ class StatsBar(Widget):
             s.generated,
             s.tokens_per_second,
             s.ttft_seconds,
-            s.tau,
+            s.tau if s.steps or not s.generations else None,
             s.acceptance_rate,
             s.drafted > 0,
             s.per_position,

@@ -2,13 +2,15 @@
 
 The table goes to stderr; stdout carries one document in the chosen --format (JSON by default).
 Every run is stored in SQLite under the state dir; `dflash bench history` lists the runs and
-`dflash bench compare A B` shows what changed. Measuring happens in runtime.bench.
+`dflash bench compare A B` shows what changed. Measuring happens in runtime.bench (local pair) and
+runtime.bench_remote (`--server URL`: ar and dflash through an OpenAI-compatible server).
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from enum import Enum
 from typing import Annotated, Any
@@ -25,11 +27,13 @@ from ..common import (
     QuantizeOpt,
     RevisionOpt,
     SeedOpt,
+    ServerOpt,
     TargetOpt,
     ThreadsOpt,
     VerifyOpt,
     load,
     load_options,
+    remote_backend,
     state_dir,
 )
 from ..errors import handle_errors
@@ -131,15 +135,22 @@ def bench(
     revision: RevisionOpt = None,
     quantize: QuantizeOpt = None,
     threads: ThreadsOpt = None,
+    server: ServerOpt = None,
 ) -> None:
     """Run a prompt set through ar, hf, pld, assisted and dflash on the same target; compare speed."""
     if ctx.invoked_subcommand is not None:
         return
-    from runtime.bench import BenchConfig, load_assistant, run_bench
+    from runtime.bench import BenchConfig
     from runtime.bench_store import BenchStore
     from runtime.datasets import load_dataset, load_prompt_file
     from runtime.errors import ConfigError, DFlashError
 
+    if server and (target or drafter):
+        raise typer.BadParameter("--server excludes --target/--drafter: the server decides the models")
+    if server and assistant:
+        raise ConfigError("--assistant runs assisted generation on local weights; it cannot run with --server")
+    if server and thinking:
+        raise ConfigError("--thinking is not available with --server: the server's chat template decides")
     if raw and chat:
         raise ConfigError("--raw and --chat exclude each other")
     if dataset and prompts_file:
@@ -148,7 +159,13 @@ def bench(
     sizes = _block_sizes(block_size)
     # Cheap checks before loading any model: the prompt set and the configuration.
     prompt_set = (load_prompt_file(prompts_file) if prompts_file else load_dataset(dataset or "humaneval")).limit(limit)
-    wanted = tuple(method_list) if method_list else ("ar", "hf", "pld", "dflash") + (("assisted",) if assistant else ())
+    if method_list:
+        wanted = tuple(method_list)
+    elif server:  # transformers' generate needs the weights here
+        wanted = ("ar", "dflash")
+        _err("dflash: note: --server: skipping hf and pld (they run transformers' generate on local weights)")
+    else:
+        wanted = ("ar", "hf", "pld", "dflash") + (("assisted",) if assistant else ())
     config = BenchConfig(
         methods=wanted,
         block_sizes=sizes,
@@ -162,16 +179,28 @@ def bench(
         mode="raw" if raw else ("chat" if chat else None),
         thinking=thinking,
     )
+    if server:
+        from runtime.bench_remote import refuse_local_methods
+
+        refuse_local_methods(config)
     if "assisted" in config.methods and not assistant:
         raise ConfigError("the assisted method needs a draft model: pass --assistant ID|DIR")
 
-    pipe = load(model, target, drafter, device, dtype, offline, revision, quantize, threads)
-    if not method_list and pipe.drafter is None:
-        _err(f"dflash: note: no drafter loaded for {pipe.pair.target_name}; skipping the dflash rows")
-        config = replace(config, methods=tuple(m for m in config.methods if m != "dflash"), block_sizes=())
-    helper = load_assistant(assistant, pipe, load_options(offline, None, None)) if assistant else None
+    if server:
+        from runtime.bench_remote import remote_specs, run_bench_remote
 
-    result = _run_with_progress(run_bench, pipe, prompt_set, config, helper, quantize)
+        backend = remote_backend(server, model)
+        remote_specs(config, backend.flavour)  # refuse what the server cannot run before any request
+        result = _run_with_progress(lambda progress: run_bench_remote(backend, prompt_set, config, progress))
+    else:
+        from runtime.bench import load_assistant, run_bench
+
+        pipe = load(model, target, drafter, device, dtype, offline, revision, quantize, threads)
+        if not method_list and pipe.drafter is None:
+            _err(f"dflash: note: no drafter loaded for {pipe.pair.target_name}; skipping the dflash rows")
+            config = replace(config, methods=tuple(m for m in config.methods if m != "dflash"), block_sizes=())
+        helper = load_assistant(assistant, pipe, load_options(offline, None, None)) if assistant else None
+        result = _run_with_progress(lambda progress: run_bench(pipe, prompt_set, config, helper, progress, quantize))
     doc = result.to_json(with_tokens=tokens)
     store = BenchStore(db_path())
     try:
@@ -197,10 +226,10 @@ def bench(
     sys.stdout.flush()
 
 
-def _run_with_progress(run_bench: Any, pipe: Any, prompt_set: Any, config: Any, helper: Any, quantize: Any) -> Any:
-    """Run the bench with a progress bar on stderr when it is a terminal."""
+def _run_with_progress(job: Callable[[Any], Any]) -> Any:
+    """Run the bench (``job(progress)``) with a progress bar on stderr when it is a terminal."""
     if not sys.stderr.isatty():
-        return run_bench(pipe, prompt_set, config, helper, None, quantize)
+        return job(None)
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -217,7 +246,7 @@ def _run_with_progress(run_bench: Any, pipe: Any, prompt_set: Any, config: Any, 
         def progress(done: int, total: int, what: str) -> None:
             bar.update(task, completed=done, total=total, description=what)
 
-        return run_bench(pipe, prompt_set, config, helper, progress, quantize)
+        return job(progress)
 
 
 @bench_app.command("history")

@@ -1,8 +1,10 @@
 """`dflash chat`: the terminal chat (Textual), showing speculative decoding at work.
 
 Options are those of `dflash run`; the model loads inside the app (with progress), so a load
-failure shows there and the app stays usable. Sessions and prompt history live in SQLite under
-dflash's state directory; `--history` lists them, `--resume ID|last` opens one.
+failure shows there and the app stays usable. With ``--server URL`` the app talks to an
+OpenAI-compatible server (dflash serve, vLLM, SGLang) instead of loading a local pair. Sessions
+and prompt history live in SQLite under dflash's state directory; `--history` lists them,
+`--resume ID|last` opens one.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from ..common import (
     QuantizeOpt,
     RevisionOpt,
     SeedOpt,
+    ServerOpt,
     TargetOpt,
     TemperatureOpt,
     ThreadsOpt,
@@ -36,13 +39,15 @@ from ..common import (
     VerifyOpt,
     load_options,
     model_ref,
+    remember_use,
+    remote_backend,
     runtime_config,
     state_dir,
 )
 from ..errors import handle_errors
 
 if TYPE_CHECKING:
-    from runtime import Backend
+    from runtime import Backend, DecodeOptions
 
 
 def chat_db() -> Path:
@@ -71,6 +76,22 @@ def _resume_id(value: str, db: Path) -> int:
         return int(value)
     finally:
         store.close()
+
+
+def _connect(server: str, model: str | None, opts: DecodeOptions, progress: Callable[[str], None]) -> Backend:
+    """The remote backend of ``--server``, checked in the app's loading worker (a failure shows in the app)."""
+    from runtime import ConfigError, DecodeOptions
+
+    progress(f"connecting to {server}")
+    backend = remote_backend(server, model)
+    info = backend.info()  # reaches the server once; describe() and per_token_status reuse it
+    if info.flavour != "dflash" and opts != DecodeOptions():
+        raise ConfigError(
+            f"--decoder/--block-size/--verify-length are set when a {info.flavour} server starts, "
+            "not per request; leave them out with --server (only dflash serve takes them)"
+        )
+    progress(f"{backend.model} on {backend.url} ({info.flavour})")
+    return backend
 
 
 @handle_errors
@@ -104,9 +125,13 @@ def chat(
     revision: RevisionOpt = None,
     quantize: QuantizeOpt = None,
     threads: ThreadsOpt = None,
+    server: ServerOpt = None,
 ) -> None:
     """Chat in a full-screen terminal app; tokens are coloured by origin, with live statistics."""
     from runtime import ConfigError, DecodeOptions, SamplingParams
+
+    if server and (target or drafter):
+        raise typer.BadParameter("--server excludes --target/--drafter: the server decides the models")
 
     db = chat_db()
     if history:
@@ -142,16 +167,20 @@ def chat(
         )
 
     def backend_factory(progress: Callable[[str], None]) -> Backend:
+        if server:
+            return _connect(server, model, opts, progress)
         from transformers.utils import logging as hf_logging
 
         from runtime import load_pipeline
 
         hf_logging.disable_progress_bar()
-        return load_pipeline(ref, runtime, loading, progress=progress)
+        pipe = load_pipeline(ref, runtime, loading, progress=progress)
+        remember_use(pipe, model)  # `dflash models` shows the last use
+        return pipe
 
     from tui import ChatConfig, make_app
 
-    label = target or model or "embedded default pair"
+    label = server or target or model or "embedded default pair"
     config = ChatConfig(
         params=params,
         decode=opts,
