@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -219,7 +220,7 @@ def load(
     return pipe
 
 
-def calibrate(pipe: Pipeline) -> None:
+def calibrate(pipe: Pipeline, say: Callable[[str], None] | None = None) -> None:
     """Give the pipeline this machine's measured verify costs (once per model/device/dtype/threads,
     cached in DFLASH_HOME/calibration.json) so that the runtime picks the verify length from them.
     GPUs verify a whole block for about the cost of one token and skip this."""
@@ -230,7 +231,7 @@ def calibrate(pipe: Pipeline) -> None:
     cache_file = data_home() / "calibration.json"
     known = cache_file.exists() and cache_key(pipe) in cache_file.read_text()
     if not known:
-        status("measuring the verify cost on this machine once (a few seconds)")
+        (say or status)("measuring the verify cost on this machine once (a few seconds)")
     pipe.costs = cached_costs(pipe, cache_file)
 
 

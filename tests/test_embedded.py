@@ -86,7 +86,7 @@ CODE_PROMPTS = [
     ("Write a Python function that checks whether a year is a leap year.", True),
     ("def merge_sorted(a: list[int], b: list[int]) -> list[int]:\n", False),
     ("Write a Python generator that yields the Fibonacci numbers.", True),
-    ("def chunks(seq, n):\n    \"\"\"Split seq into lists of length n.\"\"\"\n", False),
+    ('def chunks(seq, n):\n    """Split seq into lists of length n."""\n', False),
     ("Write a Python function that converts Celsius to Fahrenheit.", True),
     ("from collections import Counter\n\n\ndef top_words(text: str, k: int):\n", False),
     ("Write a Python function that validates a hexadecimal colour like #a1b2c3.", True),
@@ -105,7 +105,12 @@ def _equal_on(pipe, prompts, n):
     for text, chat in prompts:
         ids = pipe.encode(text, chat=chat)
         params = SamplingParams(max_new_tokens=n)
-        ar = [t.token_id for e in pipe.stream(ids, params, DecodeOptions(decoder="ar")) if e.type != "done" for t in e.tokens]
+        ar = [
+            t.token_id
+            for e in pipe.stream(ids, params, DecodeOptions(decoder="ar"))
+            if e.type != "done"
+            for t in e.tokens
+        ]
         events = list(pipe.stream(ids, params, DecodeOptions(verify_length=3)))
         spec = [t.token_id for e in events if e.type != "done" for t in e.tokens]
         out.append((ar == spec, events[-1].stats.tau))

@@ -37,6 +37,7 @@ from ..common import (
     TopKOpt,
     TopPOpt,
     VerifyOpt,
+    calibrate,
     load_options,
     model_ref,
     remember_use,
@@ -176,6 +177,7 @@ def chat(
         hf_logging.disable_progress_bar()
         pipe = load_pipeline(ref, runtime, loading, progress=progress)
         remember_use(pipe, model)  # `dflash models` shows the last use
+        calibrate(pipe, say=progress)  # verify length chosen from this machine's costs
         return pipe
 
     from tui import ChatConfig, make_app
