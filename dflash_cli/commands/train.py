@@ -60,6 +60,9 @@ def train(
         bool, typer.Option("--extend", help="With --resume: a new warm-up + cosine segment (continue a finished run).")
     ] = False,
     data_only: Annotated[bool, typer.Option("--data-only", help="Only build the dataset.")] = False,
+    eval_only: Annotated[
+        bool, typer.Option("--eval-only", help="Evaluate OUT/checkpoint and export it again; no training.")
+    ] = False,
     eval_prompts: Annotated[int, typer.Option("--eval-prompts", help="Held-out prompts for the final evaluation.")] = 8,
     eval_tokens: Annotated[int, typer.Option("--eval-tokens", help="Tokens per evaluation generation.")] = 96,
     no_eval: Annotated[bool, typer.Option("--no-eval", help="Skip the final evaluation.")] = False,
@@ -77,6 +80,8 @@ def train(
     from runtime.train.trainer import TrainConfig
 
     budget = _duration(time_budget)
+    if eval_only:
+        return _eval_only(out, model, target, device, dtype, offline, threads, eval_prompts, eval_tokens)
     if not data_only and steps is None and budget is None:
         raise typer.BadParameter("give --steps or --time-budget (or --data-only)")
     tap_ids = tuple(parse_ids(taps)) if taps else None
@@ -139,6 +144,46 @@ def train(
     path = export(out, evaluation, card)
     say(f"drafter saved to {path}")
     print(path)
+
+
+def _eval_only(
+    out: Path,
+    model: str | None,
+    target: str | None,
+    device: str,
+    dtype: DtypeChoice,
+    offline: bool,
+    threads: int | None,
+    eval_prompts: int,
+    eval_tokens: int,
+) -> None:
+    """Evaluate the last checkpoint of a run and export it with a fresh model card."""
+    import torch
+
+    from runtime.errors import ConfigError
+    from runtime.train.api import export
+    from runtime.train.trainer import TrainConfig, TrainState
+
+    ckpt = out / "checkpoint" / "trainer_state.pt"
+    if not ckpt.exists():
+        raise ConfigError(f"{ckpt.parent} has no checkpoint to evaluate; train first")
+    blob = torch.load(ckpt, map_location="cpu", weights_only=False)
+    pipe = load(model, target, "none", device, dtype, offline, threads=threads)
+    say = _printer()
+    evaluation = _evaluate(pipe, out, eval_prompts, eval_tokens, say)
+    cfg = dict(blob["config"])
+    cfg["betas"] = tuple(cfg["betas"])
+    run = _RunRecord(pipe.drafter, TrainState(**blob["state"]), TrainConfig(**cfg), out)
+    path = export(out, evaluation, model_card(pipe, run, evaluation, sys.argv))
+    say(f"drafter saved to {path}")
+    print(path)
+
+
+class _RunRecord:
+    """What the model card reads of a trainer, rebuilt from a checkpoint."""
+
+    def __init__(self, drafter: Any, state: Any, cfg: Any, out_dir: Path) -> None:
+        self.drafter, self.state, self.cfg, self.out_dir = drafter, state, cfg, out_dir
 
 
 def _printer() -> Any:
