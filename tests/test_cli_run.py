@@ -196,3 +196,92 @@ def test_fixture_drafter_copy_with_top_level_keys(tmp_path, fixture_dir):
 def test_conflicting_flags_are_a_usage_error():
     r = run(["--raw", "--chat", "x"], input="")
     assert r.exit_code == 2 and "exclude each other" in r.output
+
+
+def test_unsupported_architecture_names_it():
+    import torch.nn as nn
+
+    from runtime.errors import UnsupportedModelError
+    from runtime.target import TargetModel
+
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = type("C", (), {"architectures": ["OddForCausalLM"], "num_hidden_layers": 3})()
+            self.blocks = nn.Sequential(nn.Linear(2, 2))
+
+    with pytest.raises(UnsupportedModelError, match="OddForCausalLM"):
+        TargetModel(Odd())
+
+
+def test_chat_mode_turns_thinking_off(tmp_path):
+    """Qwen3-style templates get enable_thinking=False (the published drafters were trained without it)."""
+    from runtime import ModelRef, RuntimeConfig, load_pipeline
+
+    t, d = save_pair(tmp_path, block_size=4)
+    cfg = json.loads((t / "tokenizer_config.json").read_text())
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "<|im_start|>assistant\n{% if enable_thinking is defined and enable_thinking is false %}NOTHINK{% endif %}"
+    )
+    (t / "chat_template.jinja").write_text(template)
+    cfg.pop("chat_template", None)
+    (t / "tokenizer_config.json").write_text(json.dumps(cfg))
+    pipe = load_pipeline(ModelRef(target=str(t), drafter=str(d)), RuntimeConfig(dtype="float32"))
+    assert pipe.is_chat_model
+    text = pipe.tokenizer.decode(pipe.encode("hi"))
+    assert text.endswith("NOTHINK") and "hi" in text
+    raw = pipe.tokenizer.decode(pipe.encode("hi", chat=False))
+    assert raw == "hi"
+
+
+def test_ctrl_c_keeps_partial_output_and_exits_130(tmp_path):
+    """A real process: SIGINT mid-generation stops after the current step, exit code 130."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from tests.fakes import make_target
+
+    t, d = save_pair(tmp_path, block_size=4)
+    model = make_target(
+        "qwen3", vocab_size=json.loads((t / "config.json").read_text())["vocab_size"], max_position_embeddings=40000
+    )
+    model.config.eos_token_id = None
+    model.save_pretrained(str(t))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dflash_cli",
+            "run",
+            "--target",
+            str(t),
+            "--drafter",
+            str(d),
+            "--raw",
+            "-n",
+            "30000",
+            "--json",
+            "def",
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        text=True,
+    )
+    first = proc.stdout.readline()  # the prefill event: generation is under way
+    assert json.loads(first)["type"] == "prefill"
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    rest, err = proc.communicate(timeout=60)
+    lines = [json.loads(x) for x in rest.splitlines()]
+    assert proc.returncode == 130, err
+    assert lines[-1]["type"] == "done" and lines[-1]["reason"] == "cancelled"
+    assert 0 < lines[-1]["stats"]["generated_tokens"] < 30000
+    assert "interrupted" in err
