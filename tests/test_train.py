@@ -109,8 +109,8 @@ def test_checkpoint_resume_and_extend(tiny, tmp_path):
     with pytest.raises(Exception, match="--resume"):
         fit(pipe.target, pipe.tokenizer, data_dir, tmp_path, spec, TrainConfig(steps=20))
     # same schedule already complete: resume runs no more steps; extend starts a new segment
-    tr = fit(pipe.target, pipe.tokenizer, data_dir, tmp_path, spec, TrainConfig(steps=20, anchors=8), resume=True)
-    assert tr.state.step == 20
+    tr = fit(pipe.target, pipe.tokenizer, data_dir, tmp_path, spec, None, resume=True)  # keeps the run's schedule
+    assert tr.state.step == 20 and tr.cfg.steps == 20 and tr.cfg.anchors == 8
     tr = fit(
         pipe.target,
         pipe.tokenizer,

@@ -82,7 +82,7 @@ def train(
     budget = _duration(time_budget)
     if eval_only:
         return _eval_only(out, model, target, device, dtype, offline, threads, eval_prompts, eval_tokens)
-    if not data_only and steps is None and budget is None:
+    if not data_only and not resume and steps is None and budget is None:
         raise typer.BadParameter("give --steps or --time-budget (or --data-only)")
     tap_ids = tuple(parse_ids(taps)) if taps else None
     spec = DrafterSpec(
@@ -93,7 +93,7 @@ def train(
         draft_vocab=draft_vocab,
     )
     cfg = None
-    if not data_only:
+    if not data_only and (steps is not None or budget is not None):  # --resume alone keeps the run's schedule
         cfg = TrainConfig(
             steps=steps, time_budget=budget, lr=lr, anchors=anchors, seqs_per_step=seqs_per_step, max_len=max_len
         )
@@ -124,7 +124,6 @@ def train(
     if data_only:
         print(data_dir)
         return
-    assert cfg is not None
     trainer = fit(
         pipe.target,
         pipe.tokenizer,

@@ -151,7 +151,7 @@ def fit(
     data_dir: Path,
     out_dir: Path,
     spec: DrafterSpec,
-    config: TrainConfig,
+    config: TrainConfig | None,
     resume: bool = False,
     extend: bool = False,
     device: str | torch.device = "cpu",
@@ -160,6 +160,7 @@ def fit(
     """Train a drafter on ``data_dir``; checkpoints go to ``out_dir/checkpoint``.
 
     Args:
+        config: hyper-parameters; None with ``resume`` keeps the checkpoint's.
         resume: continue from ``out_dir/checkpoint`` (same schedule).
         extend: with ``resume``, start a new warm-up + cosine segment (continue a finished run).
 
@@ -174,7 +175,13 @@ def fit(
             raise ConfigError(f"nothing to resume: {ckpt} does not exist")
         drafter = load_draft_model(ckpt, "cpu", torch.float32)
         cfg = dict(drafter.config.raw)
+        if config is None:
+            saved = dict(torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=False)["config"])
+            saved["betas"] = tuple(saved["betas"])
+            config = TrainConfig(**saved)
     else:
+        if config is None:
+            raise ConfigError("a new training run needs a number of steps or a time budget")
         if ckpt.exists():
             raise ConfigError(f"{ckpt} exists; pass --resume to continue it or choose another --out")
         meta = dataset_meta(data_dir)
