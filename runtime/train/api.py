@@ -261,7 +261,12 @@ def export(out_dir: Path, evaluation: dict[str, Any] | None, card: str) -> Path:
     dconf = dict(raw.get("dflash_config") or {})
     if evaluation and evaluation.get("conditional_acceptance"):
         dconf["acceptance_conditional"] = evaluation["conditional_acceptance"]
-    extra = {"dflash_config": dconf}
+    blob = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=False)
+    # what bench's pitfall checks read: training length, feature dtype, thinking mode
+    extra: dict[str, Any] = {
+        "dflash_config": dconf,
+        "training": {"max_len": int(blob["config"]["max_len"]), "dtype": "bfloat16", "thinking": False},
+    }
     if evaluation:
         training = dict(raw.get("dflash_training") or {})
         training["evaluation"] = evaluation
