@@ -98,9 +98,13 @@ def measure_costs(pipeline: Any, context: int = 96, reps: int = 3) -> VerifyCost
 def cache_key(pipeline: Any) -> str:
     """Identity of a measurement: model, device, dtype, threads, torch version."""
     d = pipeline.describe()
-    return "|".join(
-        [d["target"], str(d.get("drafter")), d["device"], d["dtype"], str(torch.get_num_threads()), torch.__version__]
+    drafter = pipeline.drafter
+    shape = (
+        f"{len(drafter.layers)}L-h{drafter.config.hidden_size}-b{pipeline.block_size}"
+        if drafter is not None
+        else "none"
     )
+    return "|".join([d["target"], shape, d["device"], d["dtype"], str(torch.get_num_threads()), torch.__version__])
 
 
 def cached_costs(pipeline: Any, cache_file: Path, remeasure: bool = False) -> VerifyCosts:

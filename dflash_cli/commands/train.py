@@ -10,7 +10,18 @@ from typing import Annotated, Any
 
 import typer
 
-from ..common import DeviceOpt, DtypeChoice, DtypeOpt, ModelOpt, OfflineOpt, TargetOpt, ThreadsOpt, load, parse_ids
+from ..common import (
+    DeviceOpt,
+    DtypeChoice,
+    DtypeOpt,
+    ModelOpt,
+    OfflineOpt,
+    TargetOpt,
+    ThreadsOpt,
+    calibrate,
+    load,
+    parse_ids,
+)
 from ..errors import handle_errors
 
 
@@ -223,6 +234,7 @@ def _evaluate(pipe: Any, out: Path, n: int, tokens: int, say: Any) -> dict[str, 
 
     pipe.drafter = load_draft_model(out / "checkpoint", pipe.device, pipe.dtype)
     pipe.target.set_taps(pipe.drafter.dflash.target_layer_ids)
+    calibrate(pipe, say=say)  # the verify length is chosen from this machine's measured costs, as in `dflash run`
     torch.manual_seed(0)
     say(f"evaluating on {min(n, len(HELDOUT))} held-out prompts ({tokens} tokens each, plain vs DFlash)")
     result = evaluate(pipe, HELDOUT[:n], max_new_tokens=tokens, progress=say)
