@@ -127,8 +127,11 @@ def cached_costs(pipeline: Any, cache_file: Path, remeasure: bool = False) -> Ve
         return VerifyCosts(tuple(v["verify"]), float(v["draft"]), float(v["one_token_seconds"]))
     costs = measure_costs(pipeline)
     data[key] = asdict(costs)
-    cache_file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache_file.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    tmp.replace(cache_file)
+    try:  # the cache is an optimisation: an unwritable home only means measuring again next time
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=2))
+        tmp.replace(cache_file)
+    except OSError:
+        pass
     return costs
