@@ -5,6 +5,7 @@ and the draft vocabulary round-trips."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -140,42 +141,62 @@ def test_draft_vocab_round_trip(tmp_path):
         torch.testing.assert_close(back.state_dict()[k], v)
 
 
-def test_cli_train_end_to_end(tiny, tmp_path):
+def test_cli_train_end_to_end(tiny, tmp_path, monkeypatch):
     _, target_dir, data_dir, _ = tiny
     out = tmp_path / "run"
-    r = CliRunner().invoke(
-        app,
-        [
-            "train",
-            "--target",
-            str(target_dir),
-            "--out",
-            str(out),
-            "--data",
-            str(data_dir),
-            "--taps",
-            "1,2,3",
-            "--steps",
-            "30",
-            "--block-size",
-            "4",
-            "--anchors",
-            "8",
-            "--draft-vocab",
-            "100",
-            "--eval-prompts",
-            "2",
-            "--eval-tokens",
-            "12",
-            "--dtype",
-            "float32",
-        ],
-    )
+    args = [
+        "train",
+        "--target",
+        str(target_dir),
+        "--out",
+        str(out),
+        "--data",
+        str(data_dir),
+        "--taps",
+        "1,2,3",
+        "--steps",
+        "30",
+        "--block-size",
+        "4",
+        "--anchors",
+        "8",
+        "--draft-vocab",
+        "100",
+        "--eval-prompts",
+        "2",
+        "--eval-tokens",
+        "12",
+        "--dtype",
+        "float32",
+    ]
+    monkeypatch.setattr(sys, "argv", ["dflash", *args])  # what the model card quotes
+    r = CliRunner().invoke(app, args)
     assert r.exit_code == 0, r.output
     drafter_dir = out / "drafter"
     assert r.stdout.strip() == str(drafter_dir)
     card = (drafter_dir / "README.md").read_text()
     assert "median tau" in card and "Reproduce" in card
+    assert "dflash train --target" in card and "--steps 30" in card
+    # re-evaluating and re-exporting keeps the training command in the card (not the --eval-only one)
+    again = [
+        "train",
+        "--target",
+        str(target_dir),
+        "--out",
+        str(out),
+        "--eval-only",
+        "--eval-prompts",
+        "1",
+        "--eval-tokens",
+        "8",
+        "--dtype",
+        "float32",
+    ]
+    monkeypatch.setattr(sys, "argv", ["dflash", *again])
+    r = CliRunner().invoke(app, again)
+    assert r.exit_code == 0, r.output
+    card = (drafter_dir / "README.md").read_text()
+    assert "--steps 30" in card and "--eval-only" not in card
     cfg = json.loads((drafter_dir / "config.json").read_text())
     assert len(cfg["dflash_config"]["acceptance_conditional"]) == 3
     run = CliRunner().invoke(

@@ -109,6 +109,7 @@ def train(
             steps=steps, time_budget=budget, lr=lr, anchors=anchors, seqs_per_step=seqs_per_step, max_len=max_len
         )
     out.mkdir(parents=True, exist_ok=True)
+    _record_command(out, sys.argv)
     data_dir = data or out / "data"
     pipe = load(model, target, "none", device, dtype, offline, threads=threads)
     if pipe.tokenizer is None:
@@ -196,6 +197,20 @@ class _RunRecord:
         self.drafter, self.state, self.cfg, self.out_dir = drafter, state, cfg, out_dir
 
 
+COMMANDS_FILE = "commands.txt"
+
+
+def _command_line(argv: list[str]) -> str:
+    return "dflash " + " ".join(shlex.quote(a) for a in argv[1:])
+
+
+def _record_command(out: Path, argv: list[str]) -> None:
+    """Append this invocation to OUT/commands.txt, which the model card quotes (training and
+    evaluation may span several runs: --resume, --extend, --eval-only)."""
+    with (out / COMMANDS_FILE).open("a") as f:
+        f.write(_command_line(argv) + "\n")
+
+
 def _printer() -> Any:
     def say(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
@@ -250,7 +265,9 @@ def model_card(pipe: Any, trainer: Any, evaluation: dict[str, Any] | None, argv:
     cfg = d.config
     params = sum(p.numel() for p in d.parameters())
     last = s.history[-1] if s.history else {}
-    cmd = "dflash " + " ".join(shlex.quote(a) for a in argv[1:])
+    recorded = trainer.out_dir / COMMANDS_FILE
+    cmds = [c for c in recorded.read_text().splitlines() if c.strip()] if recorded.exists() else []
+    cmds = cmds or [_command_line(argv)]
     lines = [
         f"# DFlash drafter for {pipe.pair.target_name}",
         "",
@@ -292,8 +309,9 @@ def model_card(pipe: Any, trainer: Any, evaluation: dict[str, Any] | None, argv:
     lines += [
         "",
         "## Reproduce or continue",
+        "The commands that produced this run, in order (a `--resume` continues the checkpoint before it):",
         "```",
-        cmd,
+        *cmds,
         "# continue from the last checkpoint with a new schedule segment:",
         f"dflash train --out {shlex.quote(str(trainer.out_dir))} --resume --extend --time-budget 1h",
         "```",
