@@ -177,6 +177,7 @@ def test_cli_train_end_to_end(tiny, tmp_path, monkeypatch):
     card = (drafter_dir / "README.md").read_text()
     assert "median tau" in card and "Reproduce" in card
     assert "dflash train --target" in card and "--steps 30" in card
+    assert "answered prompts in" in card  # the dataset's size
     # re-evaluating and re-exporting keeps the training command in the card (not the --eval-only one)
     again = [
         "train",

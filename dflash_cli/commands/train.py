@@ -151,7 +151,7 @@ def train(
     evaluation = None
     if not no_eval and eval_prompts > 0:
         evaluation = _evaluate(pipe, out, eval_prompts, eval_tokens, say)
-    card = model_card(pipe, trainer, evaluation, sys.argv)
+    card = model_card(pipe, trainer, evaluation, sys.argv, data_dir=data_dir)
     path = export(out, evaluation, card)
     say(f"drafter saved to {path}")
     print(path)
@@ -185,7 +185,9 @@ def _eval_only(
     cfg = dict(blob["config"])
     cfg["betas"] = tuple(cfg["betas"])
     run = _RunRecord(pipe.drafter, TrainState(**blob["state"]), TrainConfig(**cfg), out)
-    path = export(out, evaluation, model_card(pipe, run, evaluation, sys.argv))
+    recorded = json.loads((out / "checkpoint" / "config.json").read_text()).get("dflash_training") or {}
+    card = model_card(pipe, run, evaluation, sys.argv, data_dir=recorded.get("dataset"))
+    path = export(out, evaluation, card)
     say(f"drafter saved to {path}")
     print(path)
 
@@ -198,6 +200,20 @@ class _RunRecord:
 
 
 COMMANDS_FILE = "commands.txt"
+
+
+def _dataset_lines(data_dir: Path | str | None) -> list[str]:
+    """The dataset's size for the model card."""
+    from runtime.train.data import dataset_summary
+
+    if not data_dir or not Path(data_dir).is_dir():
+        return []
+    s = dataset_summary(Path(data_dir))
+    return [
+        "",
+        f"Dataset: {s['sequences']} answered prompts in {s['shards']} shards, {s['answer_tokens']} answer tokens "
+        f"(+ {s['prompt_tokens']} prompt tokens); anchors are drawn from the answers.",
+    ]
 
 
 def _command_line(argv: list[str]) -> str:
@@ -258,7 +274,9 @@ def _evaluate(pipe: Any, out: Path, n: int, tokens: int, say: Any) -> dict[str, 
     return summary
 
 
-def model_card(pipe: Any, trainer: Any, evaluation: dict[str, Any] | None, argv: list[str]) -> str:
+def model_card(
+    pipe: Any, trainer: Any, evaluation: dict[str, Any] | None, argv: list[str], data_dir: Path | str | None = None
+) -> str:
     """Markdown model card: data, steps, hyper-parameters, measured tau and speed, how to reproduce."""
     s = trainer.state
     d = trainer.drafter
@@ -286,6 +304,7 @@ def model_card(pipe: Any, trainer: Any, evaluation: dict[str, Any] | None, argv:
         "Python standard library (function/class docstrings as requests, and raw function headers to complete)",
         "plus everyday programming tasks in ten languages; the hidden states of the tapped layers were captured",
         "while the answers were generated. Labels are therefore exactly the target's greedy choices.",
+        *_dataset_lines(data_dir),
         "",
         "## Training",
         f"- steps: {s.step} over {s.segments} schedule segment(s), {s.elapsed / 60:.1f} min of training",

@@ -232,3 +232,17 @@ def load_shard(path: Path) -> Shard:
         prompt_len=handle.get_tensor("prompt_len").long(),
         features=handle.get_slice("features"),
     )
+
+
+def dataset_summary(data_dir: Path) -> dict[str, int]:
+    """Shards, sequences, prompt and answer tokens of a dataset folder (read from the shards'
+    small tensors; the features stay on disk)."""
+    summary = {"shards": 0, "sequences": 0, "prompt_tokens": 0, "answer_tokens": 0}
+    for path in sorted(Path(data_dir).glob("shard-*.safetensors")):
+        shard = load_shard(path)
+        prompt = int(shard.prompt_len.sum())
+        summary["shards"] += 1
+        summary["sequences"] += shard.num_sequences
+        summary["prompt_tokens"] += prompt
+        summary["answer_tokens"] += int(shard.tokens.numel()) - prompt
+    return summary

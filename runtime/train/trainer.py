@@ -489,6 +489,6 @@ def dataset_meta(data_dir: Path) -> dict[str, Any]:
     path = Path(data_dir) / "dataset.json"
     if not path.exists():
         raise ConfigError(
-            f"{data_dir} is not a dflash training dataset (no dataset.json); run `dflash train data` first"
+            f"{data_dir} is not a dflash training dataset (no dataset.json); build one with `dflash train --out DIR --data-only`"
         )
     return dict(json.loads(path.read_text()))
