@@ -91,7 +91,7 @@ def test_tokens_are_painted_by_origin_and_ghost_text_follows_the_accepted_prefix
             assert by_style["t"][0] == FIRST
             assert "".join(by_style["a"]) == "".join("".join(acc) for acc, _, _ in BLOCKS)
             assert "".join(by_style["t"][1:]) == "".join(tgt for _, tgt, _ in BLOCKS)
-            assert "".join(by_style["r"]) == "".join("".join(rej) for _, _, rej in BLOCKS)
+            assert "".join(by_style["r"]) == "".join("".join(rej) for _, _, rej in BLOCKS).replace("\n", "↵")
             # ghost text sits right after the accepted prefix, before the target's correction
             painted = transcript_text(app)
             assert "def add" + "a" + "(" in painted
@@ -109,6 +109,8 @@ def test_ghost_text_toggles_and_off_it_disappears():
             ghost = "".join("".join(rej) for _, _, rej in BLOCKS)
             with_ghost = transcript_text(app)
             assert len(with_ghost) == len(ANSWER) + len(ghost)
+            # a rejected newline is drawn as a symbol: ghost text never adds lines to the answer
+            assert "\n" in ghost and "↵" in with_ghost and with_ghost.count("\n") == ANSWER.count("\n")
             assert "shown" in app.query_one(Legend).render().plain
             await pilot.press("ctrl+g")
             await pilot.pause()

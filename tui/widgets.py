@@ -22,6 +22,7 @@ from runtime.events import BlockVerified, PrefillDone, TokenEvent
 from .stats import GenerationTracker, SessionTotals, bars, histogram_bars
 
 ACCEPTED, TARGET, REJECTED, PLAIN = "accepted", "target", "rejected", "plain"  # plain: stored answers
+GHOST_NEWLINE = "↵"  # how a newline inside rejected drafts is shown
 CHUNK_LINES = 12  # a streaming answer is split into chunks of about this many lines
 
 
@@ -196,7 +197,8 @@ class AssistantTurn(Vertical):
         if not self.origin:
             self.add_tokens(event.tokens)
             return
-        ghost = "".join(event.rejected_text)
+        # a rejected draft never breaks the answer's lines: its newlines show as a symbol
+        ghost = "".join(event.rejected_text).replace("\r\n", "\n").replace("\n", GHOST_NEWLINE)
         cut = min(event.accepted, len(event.tokens))
         parts: list[tuple[str, str]] = []
         for i, t in enumerate(event.tokens):
