@@ -224,7 +224,8 @@ def test_chat_on_the_serve_app_shows_accepted_target_and_ghost_tokens(captured):
     backend = ScriptedBackend(ScriptedDecoder(BLOCKS, first=FIRST))
     expected = [(FIRST, "target")]
     for accepted, target, rejected in BLOCKS:
-        expected += [(t, "accepted") for t in accepted] + [("".join(rejected), "rejected"), (target, "target")]
+        ghost = "".join(rejected).replace("\n", "↵")  # a rejected newline is drawn as a symbol
+        expected += [(t, "accepted") for t in accepted] + [(ghost, "rejected"), (target, "target")]
 
     async def body(chat: Any) -> None:
         async with chat.run_test(size=(110, 30)) as pilot:
