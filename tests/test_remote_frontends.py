@@ -21,7 +21,7 @@ from dflash_cli.app import app
 from dflash_cli.commands import chat as chat_cmd
 from dflash_cli.common import usage_log_path
 from dflash_cli.server.app import ServeConfig, create_app
-from runtime import LoadOptions, ModelRef, RuntimeConfig, SamplingParams, load_pipeline
+from runtime import DecodeOptions, LoadOptions, ModelRef, RuntimeConfig, SamplingParams, load_pipeline
 from runtime.cache_store import UsageLog
 from runtime.events import Finished
 from tests.fakes import ScriptedDecoder
@@ -191,9 +191,14 @@ def test_chat_server_excludes_local_models(captured, tiny_pair):
 
 def test_chat_on_dflash_serve_paints_the_served_token_origins(captured, server, local):
     question = "def add(a, b):"
-    chat = chat_app(captured, "--server", server.url, "-n", "12", "--view", "origin")
+    # the verify length is pinned: chosen from measured costs, it may differ between two processes
+    chat = chat_app(captured, "--server", server.url, "-n", "12", "--view", "origin", "--verify-length", "3")
     assert captured.config.model_label == server.url
-    want = list(local.stream_messages([{"role": "user", "content": question}], SamplingParams(max_new_tokens=12)))
+    want = list(
+        local.stream_messages(
+            [{"role": "user", "content": question}], SamplingParams(max_new_tokens=12), DecodeOptions(verify_length=3)
+        )
+    )
 
     async def body() -> None:
         async with chat.run_test(size=(110, 30)) as pilot:
