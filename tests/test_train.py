@@ -197,7 +197,7 @@ def test_cli_train_end_to_end(tiny, tmp_path, monkeypatch):
     r = CliRunner().invoke(app, again)
     assert r.exit_code == 0, r.output
     card = (drafter_dir / "README.md").read_text()
-    assert "--steps 30" in card and "--eval-only" not in card
+    assert "--steps 30" in card and "--eval-only" not in card and "answered prompts in" in card
     cfg = json.loads((drafter_dir / "config.json").read_text())
     assert len(cfg["dflash_config"]["acceptance_conditional"]) == 3
     run = CliRunner().invoke(

@@ -109,11 +109,11 @@ def train(
             steps=steps, time_budget=budget, lr=lr, anchors=anchors, seqs_per_step=seqs_per_step, max_len=max_len
         )
     out.mkdir(parents=True, exist_ok=True)
-    _record_command(out, sys.argv)
     data_dir = data or out / "data"
     pipe = load(model, target, "none", device, dtype, offline, threads=threads)
     if pipe.tokenizer is None:
         raise typer.BadParameter("the target has no tokenizer; dflash train needs one to build prompts")
+    _record_command(out, sys.argv)  # only invocations that got as far as building data or training
     say = _printer()
     from runtime.draft_model import default_target_layer_ids
 
@@ -185,7 +185,7 @@ def _eval_only(
     cfg = dict(blob["config"])
     cfg["betas"] = tuple(cfg["betas"])
     run = _RunRecord(pipe.drafter, TrainState(**blob["state"]), TrainConfig(**cfg), out)
-    recorded = json.loads((out / "checkpoint" / "config.json").read_text()).get("dflash_training") or {}
+    recorded = pipe.drafter.config.raw.get("dflash_training") or {}  # the checkpoint's config, loaded by _evaluate
     card = model_card(pipe, run, evaluation, sys.argv, data_dir=recorded.get("dataset"))
     path = export(out, evaluation, card)
     say(f"drafter saved to {path}")
