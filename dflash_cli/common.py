@@ -20,7 +20,7 @@ import typer
 if TYPE_CHECKING:
     from runtime import LoadOptions, ModelRef, Pipeline, RuntimeConfig
     from runtime.backend import Backend
-    from runtime.remote import RemoteBackend
+    from runtime.client.remote import RemoteBackend
 
 
 class DecoderChoice(str, Enum):
@@ -135,7 +135,7 @@ def usage_log_path() -> Path:
 
 def remember_use(pipe: Pipeline, preset: str | None = None) -> None:
     """Note that a pipeline's models were just used (best effort: never fails a command)."""
-    from runtime.cache_store import UsageLog
+    from runtime.models.store import UsageLog
 
     pair = getattr(pipe, "pair", None)
     if pair is None:
@@ -226,7 +226,7 @@ def calibrate(pipe: Pipeline, say: Callable[[str], None] | None = None) -> None:
     GPUs verify a whole block for about the cost of one token and skip this."""
     if pipe.drafter is None or pipe.device.type == "cuda":
         return
-    from runtime.calibrate import cache_key, cached_costs
+    from runtime.engine.calibrate import cache_key, cached_costs
 
     cache_file = data_home() / "calibration.json"
     known = cache_file.exists() and cache_key(pipe) in cache_file.read_text()
@@ -250,8 +250,8 @@ def remote_backend(server: str, model: str | None = None) -> RemoteBackend:
     ``model`` picks one of the server's models; a preset name also matches its target id (so
     ``--model qwen3-8b`` finds ``Qwen/Qwen3-8B`` on vLLM). None: the server's first model.
     """
-    from runtime import presets
-    from runtime.remote import RemoteBackend
+    from runtime.client.remote import RemoteBackend
+    from runtime.models import presets
 
     backend = RemoteBackend(server, api_key=api_key_from_env(), model=model)
     if model and model.lower() in presets.PRESETS:

@@ -12,10 +12,20 @@ Configuration arrives as frozen dataclasses; nothing here reads environment vari
 
 from __future__ import annotations
 
-from .backend import Backend
-from .config import DecodeOptions, DFlashConfig, RuntimeConfig, SamplingParams
-from .decoding import AutoregressiveDecoder, CancelToken, Decoder, DFlashDecoder
-from .errors import (
+from runtime.backend import Backend
+from runtime.config import DecodeOptions, DFlashConfig, RuntimeConfig, SamplingParams
+from runtime.engine import AutoregressiveDecoder, CancelToken, Decoder, DFlashDecoder
+from runtime.engine.events import (
+    BlockVerified,
+    DecodeEvent,
+    Finished,
+    GenerationStats,
+    PrefillDone,
+    TokenEvent,
+    TokenStatus,
+    event_to_json,
+)
+from runtime.errors import (
     ConfigError,
     DFlashError,
     EmbeddedModelMissingError,
@@ -26,17 +36,7 @@ from .errors import (
     OutOfMemoryError,
     UnsupportedModelError,
 )
-from .events import (
-    BlockVerified,
-    DecodeEvent,
-    Finished,
-    GenerationStats,
-    PrefillDone,
-    TokenEvent,
-    TokenStatus,
-    event_to_json,
-)
-from .pipeline import LoadOptions, ModelRef, Pipeline, load_pipeline
+from runtime.pipeline import LoadOptions, ModelRef, Pipeline, load_pipeline
 
 __all__ = [
     "AutoregressiveDecoder",

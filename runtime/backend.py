@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
-from .config import DecodeOptions, SamplingParams
-from .decoding import CancelToken
-from .events import DecodeEvent
+from runtime.config import DecodeOptions, SamplingParams
+from runtime.engine import CancelToken
+from runtime.engine.events import DecodeEvent
 
 
 class Backend(Protocol):

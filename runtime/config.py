@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .errors import ConfigError
+from runtime.errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda", "mps")
@@ -118,7 +118,7 @@ class DecodeOptions:
         decoder: "dflash" (speculative) or "ar" (plain autoregressive, the baseline).
         block_size: drafter block size override (None: the drafter's own).
         verify_length: drafts verified per step (None: chosen for the device, see
-            ``runtime.verify_length``). Setting ``block_size`` without it verifies the whole block.
+            ``runtime.engine.verify_length``). Setting ``block_size`` without it verifies the whole block.
     """
 
     decoder: str = "dflash"

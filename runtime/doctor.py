@@ -19,15 +19,15 @@ from typing import Any, Literal
 
 import torch
 
-from . import embedded, presets
-from .compat import FIX as PAIR_FIX
-from .compat import check_pair, target_dims
-from .config import RuntimeConfig
-from .device import cpu_has_fast_bf16, device_description, dtype_name, resolve_device, resolve_dtype
-from .draft_model import DraftModelConfig
-from .errors import ConfigError, DFlashError, ModelLoadError, ModelNotFoundError
-from .hub import PartialDownloadError, download_model, looks_like_repo_id
-from .model_files import FolderReport, inspect_folder
+from runtime.config import RuntimeConfig
+from runtime.engine.device import cpu_has_fast_bf16, device_description, dtype_name, resolve_device, resolve_dtype
+from runtime.engine.drafter import DraftModelConfig
+from runtime.errors import ConfigError, DFlashError, ModelLoadError, ModelNotFoundError
+from runtime.models import embedded, presets
+from runtime.models.compat import FIX as PAIR_FIX
+from runtime.models.compat import check_pair, target_dims
+from runtime.models.files import FolderReport, inspect_folder
+from runtime.models.hub import PartialDownloadError, download_model, looks_like_repo_id
 
 Status = Literal["ok", "warn", "fail", "info"]
 MemoryProbe = Callable[[torch.device], "tuple[int, int] | None"]
@@ -106,7 +106,7 @@ def _gb(n: float) -> str:
 
 # -- locating the pair (cache only: the doctor never downloads) ------------------------------------
 def _locate_hub(repo: str, what: str, cache_dir: Path | None, revision: str | None) -> _Model:
-    from .cache_store import _expected_files
+    from runtime.models.store import _expected_files
 
     m = _Model(repo)
     fix = f"dflash download {repo}"
@@ -372,7 +372,7 @@ def run_doctor(ref: Any, runtime: RuntimeConfig, opts: Any, memory_probe: Memory
     Returns:
         The checks in report order; any with status "fail" means the pair will not run as asked.
     """
-    from .pipeline import read_drafter_config, read_target_config
+    from runtime.pipeline import read_drafter_config, read_target_config
 
     checks: list[Check] = [_software()]
     dev_check, device = _device(runtime)
@@ -431,7 +431,7 @@ def run_doctor(ref: Any, runtime: RuntimeConfig, opts: Any, memory_probe: Memory
         checks.append(_memory(device, dtype, params, _kv_bytes(target_cfg, dtype), memory_probe or device_memory))
     if target.folder is not None:
         checks += _template(target.folder, preset)
-    from .cache_store import hub_cache_dir
+    from runtime.models.store import hub_cache_dir
 
     cache = hub_cache_dir(opts.hf_cache_dir)
     checks.append(Check("hub", "info", f"Hugging Face cache: {cache}; dflash models: {opts.models_dir}"))

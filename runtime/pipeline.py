@@ -16,18 +16,18 @@ from typing import Any
 
 import torch
 
-from . import embedded, presets
-from .calibrate import VerifyCosts
-from .compat import ensure_compatible
-from .config import DecodeOptions, RuntimeConfig, SamplingParams
-from .decoding import AutoregressiveDecoder, CancelToken, Decoder, DFlashDecoder
-from .device import dtype_name, resolve_device, resolve_dtype
-from .draft_model import DFlashDraftModel, DraftModelConfig, load_draft_model
-from .errors import ConfigError, InputError, ModelLoadError, UnsupportedModelError
-from .events import DecodeEvent
-from .hub import resolve_model
-from .target import TargetModel
-from .verify_length import DEFAULT_COST, AdaptiveVerifyLength, FixedVerifyLength, VerifyLengthPolicy
+from runtime.config import DecodeOptions, RuntimeConfig, SamplingParams
+from runtime.engine import AutoregressiveDecoder, CancelToken, Decoder, DFlashDecoder
+from runtime.engine.calibrate import VerifyCosts
+from runtime.engine.device import dtype_name, resolve_device, resolve_dtype
+from runtime.engine.drafter import DFlashDraftModel, DraftModelConfig, load_draft_model
+from runtime.engine.events import DecodeEvent
+from runtime.engine.target import TargetModel
+from runtime.engine.verify_length import DEFAULT_COST, AdaptiveVerifyLength, FixedVerifyLength, VerifyLengthPolicy
+from runtime.errors import ConfigError, InputError, ModelLoadError, UnsupportedModelError
+from runtime.models import embedded, presets
+from runtime.models.compat import ensure_compatible
+from runtime.models.hub import resolve_model
 
 Progress = Callable[[str], None]
 
@@ -37,7 +37,7 @@ class ModelRef:
     """What the user named. All None means the embedded default pair.
 
     Attributes:
-        preset: a preset name (``runtime.presets``).
+        preset: a preset name (``runtime.models.presets``).
         target: Hub id or local folder of the target (overrides the preset's).
         drafter: Hub id or local folder of the drafter (overrides the preset's); "none" for no drafter.
     """
@@ -103,7 +103,7 @@ def resolve_pair(ref: ModelRef, opts: LoadOptions, progress: Progress | None = N
     target = ref.target or (preset.target if preset else None)
     drafter = ref.drafter or (preset.drafter if preset else None)
     if drafter is None and ref.target:
-        from .quantize_io import recorded_drafter
+        from runtime.quantize.io import recorded_drafter
 
         drafter = recorded_drafter(ref.target)  # a `dflash quantize` folder remembers its drafter
     assert target is not None
@@ -153,7 +153,7 @@ def load_target_model(target_dir: Path, device: torch.device, dtype: torch.dtype
 
     from transformers import AutoModelForCausalLM
 
-    from .quantize_io import apply_saved_quantization, prepare_saved_load
+    from runtime.quantize.io import apply_saved_quantization, prepare_saved_load
 
     prepare_saved_load(target_dir, device, dtype)  # a `dflash quantize` folder: can it run here?
     kw: dict[str, Any] = {"dtype": dtype, "local_files_only": True, "trust_remote_code": False}
@@ -221,8 +221,8 @@ class Pipeline:
         self.device = device
         self.dtype = dtype
         self.load_seconds = load_seconds
-        self.costs: VerifyCosts | None = None  # measured verify/draft costs (runtime.calibrate)
-        self.quantization: str | None = None  # weight-only scheme of the target (runtime.quantize)
+        self.costs: VerifyCosts | None = None  # measured verify/draft costs (runtime.engine.calibrate)
+        self.quantization: str | None = None  # weight-only scheme of the target (runtime.quantize.schemes)
 
     # -- prompts -----------------------------------------------------------------------------
     @property
@@ -408,7 +408,7 @@ def load_pipeline(
     draft_cfg = read_drafter_config(pair.drafter_dir) if pair.drafter_dir else None
     if draft_cfg is not None:
         ensure_compatible(read_target_config(pair.target_dir), draft_cfg, pair.target_name, pair.drafter_name or "")
-    from .quantize_io import (
+    from runtime.quantize.io import (
         apply_saved_quantization,
         check_quantize_request,
         prepare_saved_load,
@@ -423,7 +423,7 @@ def load_pipeline(
         progress(f"loading {pair.target_name} on {device} ({dtype_name(dtype)})")
     model = load_target_model(pair.target_dir, device, dtype, runtime.attn_implementation)
     if opts.quantize:
-        from .quantize import quantize_model_inplace
+        from runtime.quantize.schemes import quantize_model_inplace
 
         if progress:
             progress(f"quantizing {pair.target_name} ({opts.quantize})")

@@ -13,9 +13,9 @@ from typing import Any
 import torch
 
 from runtime.config import SamplingParams
-from runtime.decoding import CancelToken, DFlashDecoder
-from runtime.draft_model import DFlashDraftModel, DraftModelConfig, save_draft_model
-from runtime.events import (
+from runtime.engine import CancelToken, DFlashDecoder
+from runtime.engine.drafter import DFlashDraftModel, DraftModelConfig, save_draft_model
+from runtime.engine.events import (
     BlockVerified,
     DecodeEvent,
     Finished,

@@ -1,4 +1,4 @@
-"""runtime.bench / runtime.datasets / runtime.bench_store without the CLI: acceptance statistics with
+"""runtime.bench.runner / runtime.bench.datasets / runtime.bench.store without the CLI: acceptance statistics with
 oracle and adversarial drafters, the measuring protocol, divergence reports, pitfalls, prompt sets."""
 
 from __future__ import annotations
@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from runtime import DecodeOptions, LoadOptions, ModelRef, RuntimeConfig, load_pipeline
-from runtime import bench as bench_mod
-from runtime.bench import (
+from runtime.bench import runner as bench_mod
+from runtime.bench.datasets import DATASETS, Prompt, PromptSet, load_dataset, load_prompt_file
+from runtime.bench.methods import PromptRun
+from runtime.bench.runner import (
     BenchConfig,
     MethodSpec,
     drafter_dtype,
@@ -22,9 +24,7 @@ from runtime.bench import (
     run_bench,
     summarise,
 )
-from runtime.bench_methods import PromptRun
-from runtime.bench_store import BenchStore, compare_runs
-from runtime.datasets import DATASETS, Prompt, PromptSet, load_dataset, load_prompt_file
+from runtime.bench.store import BenchStore, compare_runs
 from runtime.errors import ConfigError, InputError
 from tests.fakes import OracleDecoder
 

@@ -201,8 +201,8 @@ def test_conflicting_flags_are_a_usage_error():
 def test_unsupported_architecture_names_it():
     import torch.nn as nn
 
+    from runtime.engine.target import TargetModel
     from runtime.errors import UnsupportedModelError
-    from runtime.target import TargetModel
 
     class Odd(nn.Module):
         def __init__(self):

@@ -12,7 +12,7 @@ import torch
 from typer.testing import CliRunner
 
 from dflash_cli.app import app
-from runtime import embedded
+from runtime.models import embedded
 from tests.hubfakes import FIXTURE, build_cached_repo, fixture_files
 
 runner = CliRunner()

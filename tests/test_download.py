@@ -201,7 +201,7 @@ def test_offline_download_checks_the_cached_pair():
 
 
 def test_what_a_name_downloads():
-    from runtime.download import PairRequest, plan_download
+    from runtime.models.download import PairRequest, plan_download
 
     assert plan_download("qwen3-4b") == PairRequest(TARGET, DRAFTER, "qwen3-4b")
     assert plan_download(DRAFTER) == PairRequest(TARGET, DRAFTER, "qwen3-4b")  # a preset's drafter brings its target

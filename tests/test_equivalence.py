@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from runtime.config import SamplingParams
-from runtime.decoding import AutoregressiveDecoder, DFlashDecoder
-from runtime.target import TargetModel
-from runtime.verify_length import FixedVerifyLength
+from runtime.engine import AutoregressiveDecoder, DFlashDecoder
+from runtime.engine.target import TargetModel
+from runtime.engine.verify_length import FixedVerifyLength
 from tests.fakes import OracleDecoder, collect_ids, greedy_reference, make_drafter, make_target
 
 

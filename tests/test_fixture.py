@@ -9,10 +9,10 @@ import torch
 from typer.testing import CliRunner
 
 from runtime.config import SamplingParams
-from runtime.decoding import AutoregressiveDecoder, DFlashDecoder
-from runtime.draft_model import load_draft_model
+from runtime.engine import AutoregressiveDecoder, DFlashDecoder
+from runtime.engine.drafter import load_draft_model
+from runtime.engine.target import TargetModel
 from runtime.pipeline import load_target_model
-from runtime.target import TargetModel
 from tests.fakes import collect_ids
 
 

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from dflash_cli.app import app
 from dflash_cli.commands.models import human_size
-from runtime import presets
+from runtime.models import presets
 from tests.hubfakes import build_cached_repo, fixture_files
 
 runner = CliRunner()

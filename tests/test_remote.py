@@ -17,8 +17,8 @@ from typer.testing import CliRunner
 
 from dflash_cli.app import app as cli_app
 from runtime import SamplingParams
-from runtime.events import BlockVerified, Finished, PrefillDone, TokenStatus
-from runtime.remote import RemoteBackend, RemoteError, parse_prometheus
+from runtime.client.remote import RemoteBackend, RemoteError, parse_prometheus
+from runtime.engine.events import BlockVerified, Finished, PrefillDone, TokenStatus
 from tests.http_helpers import ThreadServer, free_port
 
 runner = CliRunner()

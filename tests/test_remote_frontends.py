@@ -22,8 +22,8 @@ from dflash_cli.commands import chat as chat_cmd
 from dflash_cli.common import usage_log_path
 from dflash_cli.server.app import ServeConfig, create_app
 from runtime import DecodeOptions, LoadOptions, ModelRef, RuntimeConfig, SamplingParams, load_pipeline
-from runtime.cache_store import UsageLog
-from runtime.events import Finished
+from runtime.engine.events import Finished
+from runtime.models.store import UsageLog
 from tests.fakes import ScriptedDecoder
 from tests.http_helpers import ThreadServer, free_port
 from tests.test_cli_chat import Captured

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from runtime.config import SamplingParams
-from runtime.decoding import AutoregressiveDecoder
-from runtime.sampling import probabilities
-from runtime.target import TargetModel
+from runtime.engine import AutoregressiveDecoder
+from runtime.engine.sampling import probabilities
+from runtime.engine.target import TargetModel
 from tests.fakes import OracleDecoder, collect_ids, make_drafter, make_target
 
 V, N_NEW, RUNS = 5, 3, 1500

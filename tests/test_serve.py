@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from dflash_cli.app import app
 from runtime import DecodeOptions, LoadOptions, ModelRef, RuntimeConfig, SamplingParams, load_pipeline
-from runtime.events import Finished
+from runtime.engine.events import Finished
 from tests.http_helpers import get, metric, post, request, sse
 
 MESSAGES = [{"role": "user", "content": "def fib(n):"}]
@@ -294,7 +294,7 @@ def test_decoder_options_per_request(server, local):
 )
 def test_remote_backend_gives_the_local_events(server, local, opts):
     """What chat and bench do with --server: the same Backend calls, the same events as the local pair."""
-    from runtime.remote import RemoteBackend
+    from runtime.client.remote import RemoteBackend
 
     remote = RemoteBackend(server.url)
     params = greedy(12, ignore_eos=True)

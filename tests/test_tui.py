@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from runtime.config import SamplingParams
+from runtime.engine.events import BlockVerified, Finished, PrefillDone
 from runtime.errors import InputError, ModelNotFoundError
-from runtime.events import BlockVerified, Finished, PrefillDone
 from tests.fakes import ScriptedDecoder
 from tests.tui_fakes import ANSWER, BLOCKS, FIRST, FakeBackend, ReplayDecoder, scripted_events
 from tui import ChatConfig, make_app

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.cache import DraftKVCache, crop_to
 from runtime.config import DecodeOptions, RuntimeConfig, SamplingParams
-from runtime.detok import IncrementalDetokenizer, TextAssembler
-from runtime.draft_model import default_target_layer_ids
+from runtime.engine.acceptance import accept_prefix
+from runtime.engine.detok import IncrementalDetokenizer, TextAssembler
+from runtime.engine.drafter import default_target_layer_ids
+from runtime.engine.kv_cache import DraftKVCache, crop_to
+from runtime.engine.sampling import filter_logits, sample
+from runtime.engine.verify_length import AdaptiveVerifyLength, best_length
 from runtime.errors import ConfigError
-from runtime.sampling import filter_logits, sample
-from runtime.verify import accept_prefix
-from runtime.verify_length import AdaptiveVerifyLength, best_length
 
 
 def test_layer_id_formula():

@@ -8,8 +8,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from runtime.config import DecodeOptions, SamplingParams
-from runtime.decoding import CancelToken
-from runtime.events import DecodeEvent, Finished
+from runtime.engine import CancelToken
+from runtime.engine.events import DecodeEvent, Finished
 from tests.fakes import ScriptedDecoder
 
 # (accepted draft texts, the target's own token, rejected draft texts) per verify step

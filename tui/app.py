@@ -24,8 +24,8 @@ from textual.reactive import reactive
 from textual.widgets import Footer, Header, Static
 
 from runtime.backend import Backend
-from runtime.decoding import CancelToken
-from runtime.events import DecodeEvent, Finished
+from runtime.engine import CancelToken
+from runtime.engine.events import DecodeEvent, Finished
 
 from .config import BackendFactory, ChatConfig
 from .screens import HelpScreen, SessionsScreen, SystemPromptScreen

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.events import BlockVerified, DecodeEvent, Finished, GenerationStats, PrefillDone
+from runtime.engine.events import BlockVerified, DecodeEvent, Finished, GenerationStats, PrefillDone
 
 BARS = " ▁▂▃▄▅▆▇█"
 

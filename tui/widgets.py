@@ -17,7 +17,7 @@ from textual.message import Message
 from textual.widget import Widget
 from textual.widgets import Markdown, Static, TextArea
 
-from runtime.events import BlockVerified, PrefillDone, TokenEvent
+from runtime.engine.events import BlockVerified, PrefillDone, TokenEvent
 
 from .stats import GenerationTracker, SessionTotals, bars, histogram_bars
 

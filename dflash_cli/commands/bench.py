@@ -2,8 +2,8 @@
 
 The table goes to stderr; stdout carries one document in the chosen --format (JSON by default).
 Every run is stored in SQLite under the state dir; `dflash bench history` lists the runs and
-`dflash bench compare A B` shows what changed. Measuring happens in runtime.bench (local pair) and
-runtime.bench_remote (`--server URL`: ar and dflash through an OpenAI-compatible server).
+`dflash bench compare A B` shows what changed. Measuring happens in runtime.bench.runner (local pair) and
+runtime.bench.remote (`--server URL`: ar and dflash through an OpenAI-compatible server).
 """
 
 from __future__ import annotations
@@ -140,9 +140,9 @@ def bench(
     """Run a prompt set through ar, hf, pld, assisted and dflash on the same target; compare speed."""
     if ctx.invoked_subcommand is not None:
         return
-    from runtime.bench import BenchConfig
-    from runtime.bench_store import BenchStore
-    from runtime.datasets import load_dataset, load_prompt_file
+    from runtime.bench.datasets import load_dataset, load_prompt_file
+    from runtime.bench.runner import BenchConfig
+    from runtime.bench.store import BenchStore
     from runtime.errors import ConfigError, DFlashError
 
     if server and (target or drafter):
@@ -180,20 +180,20 @@ def bench(
         thinking=thinking,
     )
     if server:
-        from runtime.bench_remote import refuse_local_methods
+        from runtime.bench.remote import refuse_local_methods
 
         refuse_local_methods(config)
     if "assisted" in config.methods and not assistant:
         raise ConfigError("the assisted method needs a draft model: pass --assistant ID|DIR")
 
     if server:
-        from runtime.bench_remote import remote_specs, run_bench_remote
+        from runtime.bench.remote import remote_specs, run_bench_remote
 
         backend = remote_backend(server, model)
         remote_specs(config, backend.flavour)  # refuse what the server cannot run before any request
         result = _run_with_progress(lambda progress: run_bench_remote(backend, prompt_set, config, progress))
     else:
-        from runtime.bench import load_assistant, run_bench
+        from runtime.bench.runner import load_assistant, run_bench
 
         pipe = load(model, target, drafter, device, dtype, offline, revision, quantize, threads)
         if not method_list and pipe.drafter is None:
@@ -256,7 +256,7 @@ def history(
     fmt: Annotated[ListFormat, typer.Option("--format", "-f", help="table or json.")] = ListFormat.table,
 ) -> None:
     """List stored bench runs, newest first."""
-    from runtime.bench_store import BenchStore
+    from runtime.bench.store import BenchStore
 
     from ..bench_render import history_table
 
@@ -278,7 +278,7 @@ def compare(
     fmt: Annotated[ListFormat, typer.Option("--format", "-f", help="table or json.")] = ListFormat.table,
 ) -> None:
     """Show how tok/s, TTFT, tau, acceptance and speedup changed from run A to run B."""
-    from runtime.bench_store import BenchStore, compare_runs
+    from runtime.bench.store import BenchStore, compare_runs
 
     from ..bench_render import compare_header, compare_table
 

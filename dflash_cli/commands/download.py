@@ -43,8 +43,8 @@ def download(
     offline: OfflineOpt = False,
 ) -> None:
     """Download a target and its drafter (safetensors only), check the pair, print the folders."""
-    from runtime.cache_store import UsageLog
-    from runtime.download import download_pair, plan_download
+    from runtime.models.download import download_pair, plan_download
+    from runtime.models.store import UsageLog
 
     opts = load_options(offline, revision)
     req = plan_download(name, drafter)

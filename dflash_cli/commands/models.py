@@ -60,7 +60,7 @@ def _state(m: Any) -> str:
 
 
 def _scan() -> tuple[Any, list[Any], list[Any]]:
-    from runtime import cache_store
+    from runtime.models import store as cache_store
 
     usage = cache_store.UsageLog(usage_log_path())
     opts = load_options()
@@ -69,7 +69,8 @@ def _scan() -> tuple[Any, list[Any], list[Any]]:
 
 
 def _list_presets(json_out: bool) -> None:
-    from runtime import cache_store, presets
+    from runtime.models import presets
+    from runtime.models import store as cache_store
 
     _usage, found, _pairs = _scan()
     rows = [["PRESET", "TARGET", "DRAFTER", "ON DISK", "NOTE"]]
@@ -103,7 +104,7 @@ def models(
     if show_presets:
         _list_presets(json_out)
         return
-    from runtime import cache_store
+    from runtime.models import store as cache_store
 
     _usage, found, pairs = _scan()
     if json_out:
@@ -151,7 +152,7 @@ def rm(
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Remove without asking.")] = False,
 ) -> None:
     """Remove cached models from disk (asks first unless --yes)."""
-    from runtime import cache_store
+    from runtime.models import store as cache_store
 
     usage, found, _pairs = _scan()
     chosen = cache_store.select(names, found)

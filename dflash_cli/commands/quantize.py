@@ -31,11 +31,11 @@ from ..common import (
 from ..errors import handle_errors
 
 if TYPE_CHECKING:
-    from runtime.quantize_job import QuantizeResult
+    from runtime.quantize.job import QuantizeResult
 
 
 class SchemeChoice(str, Enum):
-    """--scheme values (runtime.quantize.SCHEMES)."""
+    """--scheme values (runtime.quantize.schemes.SCHEMES)."""
 
     int8 = "int8"
     int4 = "int4"
@@ -171,7 +171,7 @@ def quantize(
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from runtime.quantize_job import QuantizeRequest, quantize_pair
+    from runtime.quantize.job import QuantizeRequest, quantize_pair
 
     console = Console(stderr=True, highlight=False)
     if quantize_drafter is None:

@@ -67,7 +67,7 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def _served_names(model: str | None, target: str | None, pipe: Any, served: str | None) -> tuple[str, ...]:
-    from runtime import presets
+    from runtime.models import presets
 
     if served:
         first = served

@@ -16,7 +16,7 @@ def setup(
     force: Annotated[bool, typer.Option("--force", help="Convert again even if it is installed.")] = False,
 ) -> None:
     """Assemble, verify (sha256) and convert the embedded target once; print its folder."""
-    from runtime import embedded
+    from runtime.models import embedded
 
     def say(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)

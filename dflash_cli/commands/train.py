@@ -115,7 +115,7 @@ def train(
         raise typer.BadParameter("the target has no tokenizer; dflash train needs one to build prompts")
     _record_command(out, sys.argv)  # only invocations that got as far as building data or training
     say = _printer()
-    from runtime.draft_model import default_target_layer_ids
+    from runtime.engine.drafter import default_target_layer_ids
 
     data_taps = tap_ids or tuple(default_target_layer_ids(pipe.target.num_layers, layers))
     if resume and (out / "checkpoint" / "config.json").exists():
@@ -259,7 +259,7 @@ def _train_progress(say: Any) -> Any:
 def _evaluate(pipe: Any, out: Path, n: int, tokens: int, say: Any) -> dict[str, Any]:
     import torch
 
-    from runtime.draft_model import load_draft_model
+    from runtime.engine.drafter import load_draft_model
     from runtime.train.evaluate import evaluate
     from runtime.train.heldout import HELDOUT
 

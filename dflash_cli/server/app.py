@@ -26,7 +26,7 @@ from starlette.routing import Route
 
 from runtime import CancelToken, DecodeOptions, DFlashError, InputError, OutOfMemoryError
 from runtime.backend import Backend
-from runtime.events import DecodeEvent, Finished, GenerationStats, PrefillDone
+from runtime.engine.events import DecodeEvent, Finished, GenerationStats, PrefillDone
 
 from . import protocol as P
 from .metrics import CONTENT_TYPE, ServerMetrics

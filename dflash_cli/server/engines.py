@@ -31,7 +31,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime import ConfigError, presets
+from runtime import ConfigError
+from runtime.models import presets
 
 ENGINES = ("vllm", "sglang")
 DEFAULT_PORTS = {"local": 8000, "vllm": 8000, "sglang": 30000}

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from runtime import ConfigError, DecodeOptions, SamplingParams
-from runtime.events import BlockVerified, DecodeEvent, GenerationStats, event_to_json
+from runtime.engine.events import BlockVerified, DecodeEvent, GenerationStats, event_to_json
 
 MAX_STOP_STRINGS = 16
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from runtime import CancelToken
-from runtime.events import DecodeEvent
+from runtime.engine.events import DecodeEvent
 
 StartFn = Callable[[CancelToken], Iterator[DecodeEvent]]
 

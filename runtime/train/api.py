@@ -20,13 +20,13 @@ from typing import Any
 
 import torch
 
-from ..draft_model import load_draft_model, save_draft_model
-from ..errors import ConfigError
-from ..target import TargetModel
-from .data import generate_dataset
-from .model_init import init_drafter, make_drafter_config, pick_mask_token_id
-from .prompts import build_prompts
-from .trainer import ShardDataset, TrainConfig, Trainer, build_draft_vocab, dataset_meta, iter_shards
+from runtime.engine.drafter import load_draft_model, save_draft_model
+from runtime.engine.target import TargetModel
+from runtime.errors import ConfigError
+from runtime.train.data import generate_dataset
+from runtime.train.model_init import init_drafter, make_drafter_config, pick_mask_token_id
+from runtime.train.prompts import build_prompts
+from runtime.train.trainer import ShardDataset, TrainConfig, Trainer, build_draft_vocab, dataset_meta, iter_shards
 
 Progress = Callable[[dict[str, Any]], None]
 

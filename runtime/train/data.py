@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..target import TargetModel
+from runtime.engine.target import TargetModel
 
 Progress = Callable[[dict[str, Any]], None]
 

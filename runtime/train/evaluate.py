@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import DecodeOptions, SamplingParams
-from ..events import Finished, GenerationStats
+from runtime.config import DecodeOptions, SamplingParams
+from runtime.engine.events import Finished, GenerationStats
 
 Progress = Callable[[str], None]
 

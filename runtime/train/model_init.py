@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from ..compat import target_dims
-from ..draft_model import DFlashDraftModel, DraftModelConfig, default_target_layer_ids
+from runtime.engine.drafter import DFlashDraftModel, DraftModelConfig, default_target_layer_ids
+from runtime.models.compat import target_dims
 
 
 def pick_mask_token_id(target_config: Any, tokenizer: Any | None) -> int:

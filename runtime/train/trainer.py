@@ -22,9 +22,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..draft_model import DFlashDraftModel, load_draft_model, save_draft_model
-from ..errors import ConfigError
-from .data import Shard, load_shard
+from runtime.engine.drafter import DFlashDraftModel, load_draft_model, save_draft_model
+from runtime.errors import ConfigError
+from runtime.train.data import Shard, load_shard
 
 Progress = Callable[[dict[str, Any]], None]
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}

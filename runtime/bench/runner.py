@@ -11,13 +11,13 @@ Methods (``METHODS``):
 
 Protocol: every method gets untimed warm-up runs first; then, prompt by prompt, every method
 runs once, the order rotating from prompt to prompt so that machine drift hits all alike. Runs are
-timed with the device synchronised around the clock (``runtime.bench_methods``). Greedy methods
+timed with the device synchronised around the clock (``runtime.bench.methods``). Greedy methods
 must reproduce ``ar``'s tokens; the first divergence is reported when they do not (in bf16 a
 batched verify and a one-token forward may break near-ties differently; DFLASH.md).
 
 Results are frozen dataclasses (``BenchResult``); the CLI renders them and stores them
-(``runtime.bench_store``). Timed runs and the assistant model live in ``runtime.bench_methods``,
-pitfall checks in ``runtime.bench_pitfalls``, the recorded environment in ``runtime.bench_env``.
+(``runtime.bench.store``). Timed runs and the assistant model live in ``runtime.bench.methods``,
+pitfall checks in ``runtime.bench.pitfalls``, the recorded environment in ``runtime.bench.env``.
 Nothing here prints.
 """
 
@@ -29,12 +29,12 @@ from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
-from .bench_env import environment
-from .bench_methods import Assistant, PeakMemory, PromptRun, load_assistant, run_decoder, run_generate
-from .bench_pitfalls import BenchWarning, drafter_dtype, drafter_training, drafter_training_length, find_pitfalls
-from .config import DecodeOptions, SamplingParams
-from .datasets import Prompt, PromptMode, PromptSet
-from .errors import ConfigError, InputError
+from runtime.bench.datasets import Prompt, PromptMode, PromptSet
+from runtime.bench.env import environment
+from runtime.bench.methods import Assistant, PeakMemory, PromptRun, load_assistant, run_decoder, run_generate
+from runtime.bench.pitfalls import BenchWarning, drafter_dtype, drafter_training, drafter_training_length, find_pitfalls
+from runtime.config import DecodeOptions, SamplingParams
+from runtime.errors import ConfigError, InputError
 
 __all__ = [
     "Assistant",

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from .errors import ConfigError, InputError
+from runtime.errors import ConfigError, InputError
 
 PromptMode = Literal["raw", "chat", "auto"]
-ASSETS = Path(__file__).parent / "assets" / "prompts"
+ASSETS = Path(__file__).resolve().parent.parent / "assets" / "prompts"
 TEXT_KEYS = ("prompt", "text", "question", "instruction", "input", "content")
 
 

@@ -18,11 +18,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import embedded, presets
-from .compat import ensure_compatible, target_dims
-from .errors import ConfigError, ModelLoadError, ModelNotFoundError
-from .hub import CONFIG_PATTERNS, MODEL_FILE_PATTERNS, download_model, looks_like_repo_id
-from .model_files import FolderReport, inspect_folder
+from runtime.errors import ConfigError, ModelLoadError, ModelNotFoundError
+from runtime.models import embedded, presets
+from runtime.models.compat import ensure_compatible, target_dims
+from runtime.models.files import FolderReport, inspect_folder
+from runtime.models.hub import CONFIG_PATTERNS, MODEL_FILE_PATTERNS, download_model, looks_like_repo_id
 
 Progress = Callable[[str], None]
 
@@ -98,7 +98,7 @@ def plan_download(name: str | None, drafter: str | None = None) -> PairRequest:
 
 
 def _pair_summary(target_cfg: object, drafter_dir: Path) -> str:
-    from .pipeline import read_drafter_config
+    from runtime.pipeline import read_drafter_config
 
     d = read_drafter_config(drafter_dir)
     hidden, vocab, layers = target_dims(target_cfg)
@@ -118,8 +118,8 @@ def _check_pair(req: PairRequest, target_dir: Path, drafter_dir: Path | None) ->
     """
     import json
 
-    from .cache_store import DRAFTER, classify
-    from .pipeline import read_drafter_config, read_target_config
+    from runtime.models.store import DRAFTER, classify
+    from runtime.pipeline import read_drafter_config, read_target_config
 
     try:
         raw = json.loads((target_dir / "config.json").read_text())

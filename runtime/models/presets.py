@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import ModelNotFoundError
+from runtime.errors import ModelNotFoundError
 
 EMBEDDED = "qwen2.5-coder-0.5b"
 

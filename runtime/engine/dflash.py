@@ -13,17 +13,25 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..cache import DraftKVCache
-from ..config import ConfigError, SamplingParams
-from ..detok import TextAssembler, TokenizerLike
-from ..draft_model import DFlashDraftModel
-from ..errors import InputError, OutOfMemoryError
-from ..events import BlockVerified, DecodeEvent, Finished, FinishReason, PrefillDone, TokenEvent, TokenStatus
-from ..sampling import sample
-from ..target import TargetModel
-from ..verify import accept_prefix
-from ..verify_length import FixedVerifyLength, VerifyLengthPolicy
-from .base import CancelToken, StatsRecorder
+from runtime.config import ConfigError, SamplingParams
+from runtime.engine.acceptance import accept_prefix
+from runtime.engine.decoder import CancelToken, StatsRecorder
+from runtime.engine.detok import TextAssembler, TokenizerLike
+from runtime.engine.drafter import DFlashDraftModel
+from runtime.engine.events import (
+    BlockVerified,
+    DecodeEvent,
+    Finished,
+    FinishReason,
+    PrefillDone,
+    TokenEvent,
+    TokenStatus,
+)
+from runtime.engine.kv_cache import DraftKVCache
+from runtime.engine.sampling import sample
+from runtime.engine.target import TargetModel
+from runtime.engine.verify_length import FixedVerifyLength, VerifyLengthPolicy
+from runtime.errors import InputError, OutOfMemoryError
 
 
 class DraftHead:

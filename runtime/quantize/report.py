@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from .config import DecodeOptions, SamplingParams
-from .errors import ConfigError
-from .events import Finished, GenerationStats
+from runtime.config import DecodeOptions, SamplingParams
+from runtime.engine.events import Finished, GenerationStats
+from runtime.errors import ConfigError
 
 REPORT_PROMPTS = (
     "Write a Python function that checks whether a number is prime.",

@@ -30,10 +30,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from .config import DecodeOptions, SamplingParams
-from .decoding import CancelToken
-from .errors import ConfigError, DFlashError, InputError, ModelNotFoundError
-from .events import (
+from runtime.config import DecodeOptions, SamplingParams
+from runtime.engine import CancelToken
+from runtime.engine.events import (
     BlockVerified,
     DecodeEvent,
     Finished,
@@ -43,6 +42,7 @@ from .events import (
     TokenEvent,
     TokenStatus,
 )
+from runtime.errors import ConfigError, DFlashError, InputError, ModelNotFoundError
 
 FLAVOURS = ("dflash", "vllm", "sglang", "openai")
 VLLM_COUNTERS = (

@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cache import DraftKVCache
-from .config import DFlashConfig
-from .errors import ModelLoadError
+from runtime.config import DFlashConfig
+from runtime.engine.kv_cache import DraftKVCache
+from runtime.errors import ModelLoadError
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:

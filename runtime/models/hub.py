@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from .errors import ModelLoadError, ModelNotFoundError
+from runtime.errors import ModelLoadError, ModelNotFoundError
 
 
 class PartialDownloadError(ModelNotFoundError):

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import embedded, presets
-from .errors import ConfigError, ModelNotFoundError
-from .hub import MODEL_FILE_PATTERNS
-from .model_files import inspect_folder
+from runtime.errors import ConfigError, ModelNotFoundError
+from runtime.models import embedded, presets
+from runtime.models.files import inspect_folder
+from runtime.models.hub import MODEL_FILE_PATTERNS
 
 TARGET, DRAFTER, OTHER = "target", "drafter", "model"
 

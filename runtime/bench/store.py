@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import DFlashError, InputError
+from runtime.errors import DFlashError, InputError
 
 SCHEMA_VERSION = 1
 _DDL = """

@@ -1,4 +1,4 @@
-"""Timed runs of one prompt with one decoding method, for ``runtime.bench``.
+"""Timed runs of one prompt with one decoding method, for ``runtime.bench.runner``.
 
 Two kinds of method:
 
@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from .config import DecodeOptions, SamplingParams
-from .errors import IncompatibleDraftError
-from .events import BlockVerified, Finished, PrefillDone
+from runtime.config import DecodeOptions, SamplingParams
+from runtime.engine.events import BlockVerified, Finished, PrefillDone
+from runtime.errors import IncompatibleDraftError
 
 
 def sync(device: torch.device) -> None:
@@ -347,8 +347,8 @@ def load_assistant(ref: str, pipe: Any, opts: Any) -> Assistant:
         ModelNotFoundError, ModelLoadError: as for targets.
         IncompatibleDraftError: the assistant uses another tokenizer.
     """
-    from .hub import resolve_model
-    from .pipeline import load_target_model, load_tokenizer, read_target_config
+    from runtime.models.hub import resolve_model
+    from runtime.pipeline import load_target_model, load_tokenizer, read_target_config
 
     path = resolve_model(ref, "assistant", cache_dir=opts.hf_cache_dir, offline=opts.offline, token=opts.token)
     cfg = read_target_config(path)

@@ -9,8 +9,8 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Protocol
 
-from ..config import SamplingParams
-from ..events import DecodeEvent, GenerationStats
+from runtime.config import SamplingParams
+from runtime.engine.events import DecodeEvent, GenerationStats
 
 
 class CancelToken:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import ConfigError
+from runtime.errors import ConfigError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -4,7 +4,7 @@
 run on one server as they do locally; its chunks carry token ids, so greedy runs are checked
 against ``ar`` token for token. vLLM and SGLang fix speculative decoding when they start: one
 row, named after the engine, measures what the server does, with the statistics it exposes
-(``runtime.remote``); a second server started without speculative decoding and
+(``runtime.client.remote``); a second server started without speculative decoding and
 ``dflash bench compare`` give the speedup.
 
 Timing is the client's clock: from the request to the last chunk (network and queue included),
@@ -20,7 +20,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .bench import (
+from runtime.bench.datasets import Prompt, PromptMode, PromptSet
+from runtime.bench.methods import PromptRun, count_events
+from runtime.bench.runner import (
     BenchConfig,
     BenchResult,
     MethodSpec,
@@ -29,11 +31,9 @@ from .bench import (
     summarise,
     timed_protocol,
 )
-from .bench_methods import PromptRun, count_events
-from .config import DecodeOptions, SamplingParams
-from .datasets import Prompt, PromptMode, PromptSet
-from .errors import ConfigError, InputError
-from .events import Finished, PrefillDone
+from runtime.config import DecodeOptions, SamplingParams
+from runtime.engine.events import Finished, PrefillDone
+from runtime.errors import ConfigError, InputError
 
 LOCAL_ONLY = ("hf", "pld", "assisted")  # transformers' generate on local weights
 
@@ -133,7 +133,7 @@ def run_remote(
 def remote_environment(backend: Any) -> dict[str, Any]:
     """What a remote run records: the server (URL, engine, served model) and what it says about its models.
 
-    The keys of a local run's environment are kept (``runtime.bench_env``); what only the server
+    The keys of a local run's environment are kept (``runtime.bench.env``); what only the server
     knows (its torch, CPU, GPU) is None.
     """
     try:
@@ -177,10 +177,10 @@ def remote_environment(backend: Any) -> dict[str, Any]:
 def run_bench_remote(
     backend: Any, prompts: PromptSet, config: BenchConfig, progress: Progress | None = None
 ) -> BenchResult:
-    """Run the bench protocol through a server and summarise (``runtime.bench.run_bench``'s contract).
+    """Run the bench protocol through a server and summarise (``runtime.bench.runner.run_bench``'s contract).
 
     Args:
-        backend: a ``runtime.remote.RemoteBackend``.
+        backend: a ``runtime.client.remote.RemoteBackend``.
         prompts: the prompt set (already limited).
         config: what to measure (``hf``/``pld``/``assisted`` are refused, see ``remote_specs``).
         progress: called as ``progress(done, total, what)`` after each run, warm-up included.

@@ -3,7 +3,7 @@
 Steps of ``quantize_pair``:
  1. Resolve the pair and check everything that can fail cheaply (scheme, device, library, an
     already-quantized input, the output folder) before any weight is loaded.
- 2. Load the unquantized pair; with ``report``, measure it (``runtime.quantize_report``).
+ 2. Load the unquantized pair; with ``report``, measure it (``runtime.quantize.report``).
  3. Quantize the target (and the drafter when asked) in place and save it into a temporary folder
     next to ``out``, renamed to ``out`` only when complete (an interrupted run leaves no half folder).
  4. Reload the saved folder through ``load_pipeline`` exactly as `dflash run --target OUT` will,
@@ -24,12 +24,19 @@ from typing import Any
 
 import torch
 
-from . import embedded
-from .config import RuntimeConfig
-from .device import dtype_name, resolve_device, resolve_dtype
-from .errors import ConfigError
-from .pipeline import LoadOptions, ModelRef, load_pipeline, read_target_config, resolve_pair
-from .quantize import (
+from runtime.config import RuntimeConfig
+from runtime.engine.device import dtype_name, resolve_device, resolve_dtype
+from runtime.errors import ConfigError
+from runtime.models import embedded
+from runtime.pipeline import LoadOptions, ModelRef, load_pipeline, read_target_config, resolve_pair
+from runtime.quantize.io import (
+    ensure_float_model,
+    save_drafter_for_scheme,
+    save_float_for_scheme,
+    save_quantized_target,
+)
+from runtime.quantize.report import QuantReport, compare, measure_pair, report_prompts
+from runtime.quantize.schemes import (
     LayerProgress,
     check_supported,
     folder_weight_bytes,
@@ -39,8 +46,6 @@ from .quantize import (
     quiet_preimport,
     weight_bytes,
 )
-from .quantize_io import ensure_float_model, save_drafter_for_scheme, save_float_for_scheme, save_quantized_target
-from .quantize_report import QuantReport, compare, measure_pair, report_prompts
 
 Status = Callable[[str], None]
 DRAFTER_SUBDIR = "drafter"
@@ -51,7 +56,7 @@ class QuantizeRequest:
     """What to quantize, how, and where to save it.
 
     Attributes:
-        scheme: a name from ``runtime.quantize.SCHEMES``.
+        scheme: a name from ``runtime.quantize.schemes.SCHEMES``.
         out: output folder (the quantized target; a quantized drafter goes to ``out/drafter``).
         ref: the pair (as for ``load_pipeline``).
         runtime: device, dtype, threads.

@@ -13,7 +13,7 @@ Every ``nn.Linear`` is quantized except the output head (``lm_head``): the draft
 target's head (and embedding, which is not a Linear) to score its drafts, and keeping both in
 float is what transformers' torchao integration does too.
 
-Saved folders (what they store and why) are ``runtime.quantize_io``'s business.
+Saved folders (what they store and why) are ``runtime.quantize.io``'s business.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import ConfigError
+from runtime.errors import ConfigError
 
 INT4_GROUP_SIZES = (128, 64, 32)
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .cache import DraftKVCache
+from runtime.engine.kv_cache import DraftKVCache
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ def measure_costs(pipeline: Any, context: int = 96, reps: int = 3) -> VerifyCost
         times.append(timed(verify))
     draft_rel = 0.0
     if drafter is not None and feats is not None:
-        from .decoding.dflash import DraftHead
+        from runtime.engine.dflash import DraftHead
 
         head = DraftHead(target, drafter)
         mask = drafter.dflash.mask_token_id

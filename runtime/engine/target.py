@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .cache import cache_len, crop_to
-from .errors import UnsupportedModelError
+from runtime.engine.kv_cache import cache_len, crop_to
+from runtime.errors import UnsupportedModelError
 
 _LAYER_PATHS = (
     "model.layers",

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .draft_model import DraftModelConfig
-from .errors import IncompatibleDraftError
+from runtime.engine.drafter import DraftModelConfig
+from runtime.errors import IncompatibleDraftError
 
 FIX = "use the drafter trained for this target (`dflash models --presets`) or train one with `dflash train`"
 

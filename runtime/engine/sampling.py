@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import SamplingParams
+from runtime.config import SamplingParams
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
