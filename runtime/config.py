@@ -83,6 +83,8 @@ class DFlashConfig:
         if any(i < 0 for i in self.target_layer_ids):
             raise ConfigError(f"target_layer_ids must be >= 0, got {list(self.target_layer_ids)}")
 
+ENGINES = ("auto", "lean", "hf")
+
 
 @dataclass(frozen=True)
 class RuntimeConfig:
@@ -93,12 +95,15 @@ class RuntimeConfig:
         dtype: "auto", "float32", "bfloat16" or "float16".
         threads: CPU threads for torch (None: leave torch's default).
         attn_implementation: passed to transformers ("sdpa" by default, "eager" for references).
+        engine: the target's forward: "lean" (static KV cache, packed weights; Llama/Qwen2/Qwen3),
+            "hf" (transformers' own forward) or "auto" (lean where the model supports it).
     """
 
     device: str = "auto"
     dtype: str = "auto"
     threads: int | None = None
     attn_implementation: str = "sdpa"
+    engine: str = "auto"
 
     def __post_init__(self) -> None:
         base = self.device.split(":", 1)[0]
@@ -108,6 +113,8 @@ class RuntimeConfig:
             raise ConfigError(f"unknown dtype {self.dtype!r}; use one of {', '.join(DTYPES)}")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"threads must be >= 1, got {self.threads}")
+        if self.engine not in ENGINES:
+            raise ConfigError(f"unknown engine {self.engine!r}; use one of {', '.join(ENGINES)}")
 
 
 @dataclass(frozen=True)

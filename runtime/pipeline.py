@@ -22,6 +22,8 @@ from runtime.engine.calibrate import VerifyCosts
 from runtime.engine.device import dtype_name, resolve_device, resolve_dtype
 from runtime.engine.drafter import DFlashDraftModel, DraftModelConfig, load_draft_model
 from runtime.engine.events import DecodeEvent
+from runtime.engine.lean_target import LeanTarget, lean_supported
+from runtime.engine.linear import pack_linears
 from runtime.engine.target import TargetModel
 from runtime.engine.verify_length import DEFAULT_COST, AdaptiveVerifyLength, FixedVerifyLength, VerifyLengthPolicy
 from runtime.errors import ConfigError, InputError, ModelLoadError, UnsupportedModelError
@@ -191,6 +193,25 @@ def load_tokenizer(target_dir: Path) -> Any | None:
         return AutoTokenizer.from_pretrained(str(target_dir), local_files_only=True, trust_remote_code=False)
     except Exception as e:
         raise ModelLoadError(f"cannot load the tokenizer in {target_dir}: {str(e).splitlines()[0]}") from e
+
+
+def make_target(model: Any, engine: str = "auto", progress: Progress | None = None) -> TargetModel:
+    """Wrap a loaded causal LM: the lean forward where it runs (``runtime.engine.lean_target``),
+    else transformers' own.
+
+    Raises:
+        ConfigError: ``engine="lean"`` for a model the lean forward cannot run.
+    """
+    if engine == "hf":
+        return TargetModel(model)
+    why = lean_supported(model)
+    if why is None:
+        return LeanTarget(model)
+    if engine == "lean":
+        raise ConfigError(f"--engine lean cannot run this target: {why}; use --engine hf")
+    if progress:
+        progress(f"transformers forward for this target ({why})")
+    return TargetModel(model)
 
 
 class Pipeline:
@@ -428,13 +449,15 @@ def load_pipeline(
         if progress:
             progress(f"quantizing {pair.target_name} ({opts.quantize})")
         quantize_model_inplace(model, opts.quantize, device)
-    target = TargetModel(model)
+    target = make_target(model, runtime.engine, progress)
     drafter = None
     if pair.drafter_dir is not None:
         if progress:
             progress(f"loading drafter {pair.drafter_name}")
         drafter = load_draft_model(pair.drafter_dir, device, dtype)
         apply_saved_quantization(drafter, pair.drafter_dir, device)
+        if runtime.engine != "hf":
+            pack_linears(drafter)  # inference only: packed oneDNN GEMMs on CPUs (no-op elsewhere)
         ids = drafter.draft_vocab_ids
         if ids is not None and ids.numel() and int(ids.max()) >= target.vocab_size:
             raise ModelLoadError(f"drafter draft vocabulary has ids beyond the target vocab ({target.vocab_size})")

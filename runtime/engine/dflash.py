@@ -28,6 +28,7 @@ from runtime.engine.events import (
     TokenStatus,
 )
 from runtime.engine.kv_cache import DraftKVCache
+from runtime.engine.linear import FusedLinear
 from runtime.engine.sampling import sample
 from runtime.engine.target import TargetModel
 from runtime.engine.verify_length import FixedVerifyLength, VerifyLengthPolicy
@@ -46,11 +47,27 @@ class DraftHead:
             weight = weight[ids]
             bias = bias[ids] if bias is not None else None
         self.weight, self.bias, self.ids = weight, bias, ids
+        # a reduced head is a copy: pack it once for oneDNN where that runs (runtime.engine.linear)
+        pack = ids is not None and FusedLinear.can_pack(weight.device, weight.dtype) and type(weight) is torch.Tensor
+        self._packed = FusedLinear([_Plain(weight, bias)], pack=True) if pack else None
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft logits for hidden states [K, D] -> [K, V_d] (over the reduced vocabulary if any)."""
+        if self._packed is not None:
+            return self._packed(hidden)[0]
+        return F.linear(hidden, self.weight, self.bias)
 
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
         """Greedy draft ids for hidden states [K, D] -> [K] (ids in the full vocabulary)."""
-        best = torch.argmax(F.linear(hidden, self.weight, self.bias), dim=-1)
+        best = torch.argmax(self.logits(hidden), dim=-1)
         return self.ids[best] if self.ids is not None else best
+
+
+class _Plain:
+    """A weight/bias pair shaped like an ``nn.Linear`` for ``FusedLinear``."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight, self.bias = weight, bias
 
 
 def _sync(device: torch.device) -> None:
@@ -130,7 +147,7 @@ class DFlashDecoder:
 
     def propose(
         self,
-        anchor: int,
+        anchor: torch.Tensor,
         start: int,
         k: int,
         pending: torch.Tensor | None,
@@ -140,7 +157,7 @@ class DFlashDecoder:
         """Draft ``k`` tokens after ``anchor`` (at position ``start``) in one drafter forward.
 
         Args:
-            anchor: the last committed token, not yet seen by the target.
+            anchor: [1] the last committed token (on the device), not yet seen by the target.
             start: its absolute position.
             k: drafts wanted (<= block_size - 1).
             pending: [1, C, n*D] target features not yet in the drafter cache.
@@ -151,12 +168,12 @@ class DFlashDecoder:
             [k] draft ids on the target's device.
         """
         assert self.drafter is not None and self.head is not None and d_cache is not None and pending is not None
-        b, device = self.block_size, self.target.device
-        block_ids = torch.full((1, b), self.mask_id, dtype=torch.long, device=device)  # [1, b]
-        block_ids[0, 0] = anchor
+        b = self.block_size
+        block_ids = self._block  # [1, b]: [anchor, M, ..., M], reused across steps
+        block_ids[0, :1] = anchor
         ctx = self.drafter.fuse_context(pending)  # [1, C, D]
-        positions = torch.arange(d_cache.seq_len, start + b, device=device).unsqueeze(0)  # [1, C + b]
-        key_pos = torch.arange(0, start + b, device=device) if self._sliding else None
+        positions = self._positions[d_cache.seq_len : start + b].unsqueeze(0)  # [1, C + b]
+        key_pos = self._positions[: start + b] if self._sliding else None
         hidden = self.drafter(self.target.embed(block_ids), ctx, positions, cache=d_cache, key_positions=key_pos)
         d_cache.crop(start)  # keep context entries only; the block never stays cached
         return self.head.argmax(hidden[0, 1 : 1 + k])
@@ -206,20 +223,25 @@ class DFlashDecoder:
             return events, reason
 
         # 1. Prefill: target on the prompt, capture features of every position, first token.
-        t_cache = target.new_cache()
+        room = n_prompt + max_new + self.block_size + 1  # positions this request can reach
+        t_cache = target.new_cache(capacity=room)
+        if self.drafter is not None:
+            self._block = torch.full((1, self.block_size), self.mask_id, dtype=torch.long, device=device)
+            self._positions = torch.arange(room + self.block_size, device=device)
         ids = torch.tensor([prompt], dtype=torch.long, device=device)  # [1, P]
         logits, feats = target.forward(ids, t_cache, logits_to_keep=1, capture=self.drafter is not None)
-        first = int(sample(logits[-1:], params, gen).item())
+        anchor = sample(logits[-1:], params, gen)  # [1], stays on the device
+        first = int(anchor.item())
         _sync(device)
         ttft = time.perf_counter() - rec.t0
         events, reason = commit([first], [TokenStatus.TARGET], last=max_new <= 1)
         rec.prefill(ttft, len(events))
         yield PrefillDone(prompt_tokens=n_prompt, seconds=ttft, tokens=tuple(events))
 
-        d_cache = DraftKVCache(len(self.drafter.layers)) if self.drafter is not None else None
+        d_cache = DraftKVCache(len(self.drafter.layers), capacity=room) if self.drafter is not None else None
         committed = list(prompt) + [first]
         pending = feats  # [1, C, n*D] target features not yet in the drafter cache
-        start, anchor = n_prompt, first
+        start = n_prompt
         while reason is None:
             if cancel is not None and cancel.cancelled:
                 reason = "cancelled"
@@ -239,7 +261,7 @@ class DFlashDecoder:
                 pending = pending[:, :0] if pending is not None else None
 
             # 3. Verify: one target forward over [anchor, d_1..d_k] at positions start..start+k.
-            verify_ids = torch.cat([torch.tensor([anchor], device=device), draft]).unsqueeze(0)  # [1, k+1]
+            verify_ids = torch.cat([anchor, draft]).unsqueeze(0) if k > 0 else anchor.view(1, 1)  # [1, k+1]
             logits, feats = target.forward(verify_ids, t_cache, capture=self.drafter is not None)
             posterior = sample(logits, params, gen)  # [k+1]
             host = torch.cat([draft, posterior]).tolist()  # the one host sync of the step
@@ -256,11 +278,14 @@ class DFlashDecoder:
             target.crop(t_cache, start)
             if feats is not None:
                 pending = torch.cat([pending, feats[:, : a + 1]], dim=1) if pending is not None else feats[:, : a + 1]
-            anchor = post_list[a]
+            anchor = posterior[a : a + 1]  # the bonus token, already on the device
             committed.extend(new_ids)
             rec.step(drafted=k, accepted=a, committed=len(events), planned=planned)
             self.verify.observe(k, a)
-            draft_text = tuple(asm.decode_one(t) for t in draft_list) if self.tokenizer is not None else ("",) * k
+            # accepted drafts are shown as the committed tokens' text; decode only the rejected ones
+            rejected_text = tuple(asm.decode_one(t) for t in draft_list[a:]) if self.tokenizer is not None else ()
+            shown = tuple(events[i].text if i < len(events) else "" for i in range(a))
+            draft_text = shown + (rejected_text or ("",) * (k - a))
             yield BlockVerified(
                 draft=tuple(draft_list),
                 draft_text=draft_text,

@@ -206,11 +206,9 @@ class DraftAttention(nn.Module):
         k = _rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
-        if self.n_kv != self.n_heads:
-            rep = self.n_heads // self.n_kv
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim**-0.5)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=self.head_dim**-0.5, enable_gqa=self.n_kv != self.n_heads
+        )
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.n_heads * self.head_dim))
 
 

@@ -33,32 +33,40 @@ def crop_to(cache: object, keep: int) -> None:
 class DraftKVCache:
     """Per-layer K/V of the drafter: projected target context only.
 
-    Tensors are [1, kv_heads, T, head_dim]; ``positions`` holds the absolute position of each
-    cached entry (needed for sliding-window masks).
+    Buffers are preallocated ([1, kv_heads, capacity, head_dim], doubling when full) and written in
+    place, so a step neither concatenates nor copies the cache. ``update`` returns views of the
+    valid entries; ``crop`` moves the length back (the block never stays cached).
     """
 
-    def __init__(self, num_layers: int) -> None:
+    def __init__(self, num_layers: int, capacity: int = 256) -> None:
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.lengths = [0] * num_layers
+        self.initial_capacity = capacity
 
     @property
     def seq_len(self) -> int:
-        """Cached tokens (the same for every layer)."""
-        k = self.keys[0]
-        return 0 if k is None else int(k.shape[-2])
+        """Cached tokens (the same for every layer between steps)."""
+        return self.lengths[0]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append new K/V for ``layer`` and return the full K/V to attend over."""
-        old_k, old_v = self.keys[layer], self.values[layer]
-        if old_k is not None and old_v is not None:
-            k = torch.cat([old_k, k], dim=-2)
-            v = torch.cat([old_v, v], dim=-2)
-        self.keys[layer], self.values[layer] = k, v
-        return k, v
+        """Append new K/V ([1, kv_heads, n, head_dim]) for ``layer``; return all valid K/V."""
+        n, old = int(k.shape[-2]), self.lengths[layer]
+        end = old + n
+        buf_k, buf_v = self.keys[layer], self.values[layer]
+        if buf_k is None or buf_v is None or end > buf_k.shape[-2]:
+            cap = max(end, self.initial_capacity, 2 * (buf_k.shape[-2] if buf_k is not None else 0))
+            new_k = k.new_empty((*k.shape[:-2], cap, k.shape[-1]))
+            new_v = v.new_empty((*v.shape[:-2], cap, v.shape[-1]))
+            if buf_k is not None and buf_v is not None and old:
+                new_k[..., :old, :] = buf_k[..., :old, :]
+                new_v[..., :old, :] = buf_v[..., :old, :]
+            self.keys[layer], self.values[layer] = buf_k, buf_v = new_k, new_v
+        buf_k[..., old:end, :] = k
+        buf_v[..., old:end, :] = v
+        self.lengths[layer] = end
+        return buf_k[..., :end, :], buf_v[..., :end, :]
 
     def crop(self, keep: int) -> None:
         """Keep the first ``keep`` cached tokens of every layer."""
-        for i, (k, v) in enumerate(zip(self.keys, self.values, strict=True)):
-            if k is not None and v is not None and k.shape[-2] > keep:
-                self.keys[i] = k[..., :keep, :]
-                self.values[i] = v[..., :keep, :]
+        self.lengths = [min(n, keep) for n in self.lengths]

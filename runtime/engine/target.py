@@ -132,8 +132,8 @@ class TargetModel:
 
         return hook
 
-    def new_cache(self) -> Any:
-        """An empty transformers DynamicCache for this model."""
+    def new_cache(self, capacity: int = 0) -> Any:
+        """An empty transformers DynamicCache for this model (it grows; ``capacity`` is a hint)."""
         from transformers import DynamicCache
 
         try:

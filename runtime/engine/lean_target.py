@@ -1,0 +1,297 @@
+"""A lean target forward for Llama-family models (Llama, Qwen2/2.5, Qwen3).
+
+Same contract as ``TargetModel`` (the transformers adapter) with three differences that decide a
+decode step's cost on a CPU:
+
+- weights of each projection are packed once per loaded model for oneDNN (``mkldnn`` blocked
+  layout, q/k/v fused and gate/up fused) so a step runs one prepacked GEMM per fused projection
+  instead of re-laying out bf16 weights on every call (``runtime.engine.linear``);
+- a static KV cache (``StaticKVCache``): fixed capacity, new entries written in place, cropping
+  moves a length, compaction keeps chosen slots (tree verification);
+- tapped layer outputs are collected inline (no forward hooks) and logits are computed only for
+  the rows asked for.
+
+The math mirrors transformers' modelling code (RMSNorm in float32, RoPE from the model's own
+rotary module, SDPA with grouped-query attention), so greedy outputs match the transformers path
+in float32. Models this module cannot run (other architectures, sliding-window layers, other
+activations) stay on ``TargetModel``: see ``lean_supported``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.engine.linear import FusedLinear
+from runtime.engine.target import TargetModel
+
+_FAMILIES = ("llama", "qwen2", "qwen3")
+
+
+def lean_supported(model: nn.Module) -> str | None:
+    """Why ``LeanTarget`` cannot run ``model`` (None when it can)."""
+    cfg = model.config
+    kind = getattr(cfg, "model_type", None)
+    if kind not in _FAMILIES:
+        return f"model type {kind!r} is not one of {', '.join(_FAMILIES)}"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"activation {cfg.hidden_act!r} is not silu"
+    if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or ())):
+        return "sliding-window attention layers"
+    if getattr(cfg, "use_sliding_window", False):
+        return "sliding-window attention"
+    inner = getattr(model, "model", None)
+    if inner is None or getattr(inner, "rotary_emb", None) is None:
+        return "no rotary embedding module at model.model.rotary_emb"
+    return None
+
+
+class StaticKVCache:
+    """Per-layer K/V of fixed capacity: [1, kv_heads, capacity, head_dim] each.
+
+    ``length`` entries are valid; writing past ``capacity`` grows the buffers (doubling, a copy).
+    Cropping only moves ``length``; the stale entries beyond it are overwritten by later writes.
+    """
+
+    def __init__(
+        self, layers: int, kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        shape = (1, kv_heads, max(capacity, 16), head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        """Entries the buffers hold before they grow."""
+        return int(self.k[0].shape[2])
+
+    def get_seq_length(self) -> int:
+        """Valid entries (the transformers ``Cache`` spelling, used by ``cache_len``)."""
+        return self.length
+
+    def reserve(self, n: int) -> None:
+        """Make room for ``n`` entries in total."""
+        if n <= self.capacity:
+            return
+        new = max(n, 2 * self.capacity)
+        for buf in (self.k, self.v):
+            for i, t in enumerate(buf):
+                grown = t.new_zeros((*t.shape[:2], new, t.shape[3]))
+                grown[:, :, : self.length] = t[:, :, : self.length]
+                buf[i] = grown
+
+    def crop(self, keep: int) -> None:
+        """Keep the first ``keep`` entries."""
+        if keep > self.length:
+            raise ValueError(f"cannot crop a cache of {self.length} tokens to {keep}")
+        self.length = keep
+
+    def keep(self, start: int, offsets: torch.Tensor) -> None:
+        """Keep entries [0, start) plus ``start + offsets`` (in that order), e.g. an accepted tree path.
+
+        Args:
+            start: entries before it stay as they are.
+            offsets: [n] long, slots after ``start`` to keep, ascending.
+        """
+        n = int(offsets.numel())
+        src = offsets.to(self.k[0].device) + start
+        for buf in (self.k, self.v):
+            for t in buf:
+                t[:, :, start : start + n] = t.index_select(2, src)
+        self.length = start + n
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # as transformers: normalise in float32, cast back, then scale
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class _Layer:
+    """One decoder layer's weights, read from the transformers module."""
+
+    def __init__(self, layer: nn.Module, pack: bool) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.qkv = FusedLinear([attn.q_proj, attn.k_proj, attn.v_proj], pack)
+        self.o = FusedLinear([attn.o_proj], pack)
+        self.gate_up = FusedLinear([mlp.gate_proj, mlp.up_proj], pack)
+        self.down = FusedLinear([mlp.down_proj], pack)
+        self.ln1 = layer.input_layernorm.weight
+        self.ln2 = layer.post_attention_layernorm.weight
+        self.eps1 = float(layer.input_layernorm.variance_epsilon)
+        self.eps2 = float(layer.post_attention_layernorm.variance_epsilon)
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        self.q_norm = q_norm.weight if q_norm is not None else None
+        self.k_norm = k_norm.weight if k_norm is not None else None
+        self.qk_eps = float(q_norm.variance_epsilon) if q_norm is not None else 0.0
+        self.scaling = float(attn.scaling)
+
+
+class LeanTarget(TargetModel):
+    """``TargetModel`` with a lean forward over a ``StaticKVCache`` (see the module docstring).
+
+    Args:
+        model: a transformers Llama/Qwen2/Qwen3 causal LM (``lean_supported(model)`` is None).
+        pack: pack weights for oneDNN (CPU, bf16/fp32 plain tensors); False keeps the module weights
+            and calls them (quantized tensor subclasses, CUDA).
+    """
+
+    def __init__(self, model: nn.Module, pack: bool | None = None) -> None:
+        super().__init__(model)
+        why = lean_supported(model)
+        if why is not None:
+            raise ValueError(f"the lean forward cannot run this model: {why}")
+        cfg = self.config
+        if pack is None:
+            pack = FusedLinear.can_pack(self.device, self.dtype)
+        self.packed = pack
+        self.n_heads = int(cfg.num_attention_heads)
+        self.n_kv = int(getattr(cfg, "num_key_value_heads", None) or self.n_heads)
+        attn0 = self.layers[0].self_attn
+        self.head_dim = int(attn0.head_dim)
+        self.lean_layers = [_Layer(layer, pack) for layer in self.layers]
+        inner = model.model  # type: ignore[attr-defined]
+        self.final_norm = inner.norm.weight
+        self.final_eps = float(inner.norm.variance_epsilon)
+        self.rotary = inner.rotary_emb
+        self.head = FusedLinear([self.lm_head], pack)
+        self._cos = torch.empty(0)
+        self._sin = torch.empty(0)
+
+    # -- caches --------------------------------------------------------------------------------
+    def new_cache(self, capacity: int = 512) -> StaticKVCache:  # type: ignore[override]
+        """An empty static cache with room for ``capacity`` tokens (it grows when needed)."""
+        return StaticKVCache(self.num_layers, self.n_kv, self.head_dim, capacity, self.dtype, self.device)
+
+    @staticmethod
+    def crop(cache: Any, keep: int) -> None:
+        """Crop ``cache`` to ``keep`` tokens (moves its length)."""
+        cache.crop(keep)
+
+    @staticmethod
+    def keep(cache: Any, start: int, offsets: torch.Tensor | Sequence[int]) -> None:
+        """Keep entries [0, start) plus ``start + offsets`` (tree compaction)."""
+        if not isinstance(offsets, torch.Tensor):
+            offsets = torch.tensor(list(offsets), dtype=torch.long)
+        cache.keep(start, offsets)
+
+    def _rope_tables(self, n: int) -> None:
+        """cos/sin for positions [0, n) from the model's own rotary module (rope scaling included)."""
+        if self._cos.shape[0] >= n:
+            return
+        n = max(n, 2 * self._cos.shape[0], 1024)
+        pos = torch.arange(n, device=self.device).unsqueeze(0)
+        probe = torch.zeros(1, dtype=self.dtype, device=self.device)
+        cos, sin = self.rotary(probe, pos)
+        self._cos, self._sin = cos[0], sin[0]  # [n, head_dim]
+
+    # -- forward -------------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: Any,
+        logits_to_keep: int = 0,
+        capture: bool = True,
+        positions: torch.Tensor | None = None,
+        tree_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One forward over new tokens that extends ``cache`` in place.
+
+        Args:
+            input_ids: [1, T] new tokens, stored in cache slots length .. length + T - 1.
+            cache: a ``StaticKVCache`` from ``new_cache``.
+            logits_to_keep: 0 for logits at every position, else the last n positions.
+            capture: return the tapped layer outputs.
+            positions: [T] absolute positions (default: the slots, i.e. a contiguous chain).
+            tree_mask: [T, T] bool, which new tokens each new token sees (default: causal); every
+                new token also sees the whole cache.
+
+        Returns:
+            logits [T', V] in the model dtype and features [1, T, n*D] (taps in configured order)
+            or None.
+        """
+        t = int(input_ids.shape[1])
+        start = cache.length
+        cache.reserve(start + t)
+        end = start + t
+        if positions is None:
+            self._rope_tables(end)
+            cos, sin = self._cos[start:end], self._sin[start:end]
+        else:
+            self._rope_tables(int(positions.max()) + 1)
+            cos, sin = self._cos[positions], self._sin[positions]
+        cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)  # [1, T, hd] broadcast over heads
+        mask = self._mask(t, start, tree_mask)
+        causal = mask is None and t > 1  # start == 0 here: a plain causal square
+        h = self.embed(input_ids)[0]  # [T, D]
+        taps = set(self._taps) if capture else set()
+        captured: dict[int, torch.Tensor] = {}
+        hd, nh, nkv = self.head_dim, self.n_heads, self.n_kv
+        for i, lay in enumerate(self.lean_layers):
+            # attention: [T, D] -> q [1, H, T, hd], k/v [1, KV, T, hd]
+            x = _rms(h, lay.ln1, lay.eps1)
+            q, k, v = lay.qkv(x)
+            q, k, v = q.view(t, nh, hd), k.view(t, nkv, hd), v.view(t, nkv, hd)
+            if lay.q_norm is not None and lay.k_norm is not None:
+                q, k = _rms(q, lay.q_norm, lay.qk_eps), _rms(k, lay.k_norm, lay.qk_eps)
+            q, k = q.transpose(0, 1), k.transpose(0, 1)  # [H, T, hd]
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            ck, cv = cache.k[i], cache.v[i]
+            ck[0, :, start:end] = k
+            cv[0, :, start:end] = v.transpose(0, 1)
+            a = F.scaled_dot_product_attention(
+                q.unsqueeze(0),
+                ck[:, :, :end],
+                cv[:, :, :end],
+                attn_mask=mask,
+                is_causal=causal,
+                scale=lay.scaling,
+                enable_gqa=nh != nkv,
+            )  # [1, H, T, hd]
+            (o,) = lay.o(a[0].transpose(0, 1).reshape(t, nh * hd))
+            h = h + o
+            # MLP
+            x = _rms(h, lay.ln2, lay.eps2)
+            g, u = lay.gate_up(x)
+            (d,) = lay.down(F.silu(g) * u)
+            h = h + d
+            if i in taps:
+                captured[i] = h
+        cache.length = end
+        rows = h[-logits_to_keep:] if logits_to_keep else h
+        (logits,) = self.head(_rms(rows, self.final_norm, self.final_eps))
+        feats = None
+        if capture and self._taps:
+            feats = torch.cat([captured[i] for i in self._taps], dim=-1).unsqueeze(0)
+        return logits, feats
+
+    def _mask(self, t: int, start: int, tree_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """Boolean attention mask [T, start + T] (True = may attend), or None when causal suffices."""
+        if tree_mask is None:
+            if t == 1 or start == 0:
+                return None
+            j = torch.arange(start + t, device=self.device)
+            i = torch.arange(t, device=self.device).unsqueeze(1)
+            return j.unsqueeze(0) <= i + start
+        seen = torch.ones(t, start, dtype=torch.bool, device=self.device)
+        return torch.cat([seen, tree_mask.to(device=self.device, dtype=torch.bool)], dim=1)
+
+    def set_taps(self, layer_ids: Sequence[int]) -> None:
+        """Capture the outputs of these decoder layers (inline; no hooks are registered)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        self._taps = tuple(int(i) for i in layer_ids)
