@@ -144,3 +144,22 @@ def test_packed_bf16_matches_unpacked():
         after = drafter.fuse_context(x)
     torch.testing.assert_close(after.float(), before.float(), rtol=2e-2, atol=2e-2)
     assert "fc.weight" in drafter.state_dict()  # saving is unchanged
+
+
+def test_calibration_key_names_quantization_and_engine():
+    from runtime.engine.calibrate import cache_key
+
+    class Pipe:
+        drafter = None
+        block_size = 1
+
+        def __init__(self, quant, target):
+            self.quant, self.target = quant, target
+
+        def describe(self):
+            return {"target": "t", "device": "cpu", "dtype": "bfloat16", "quantization": self.quant}
+
+    model = make_target("qwen3", vocab_size=64)
+    lean, hf = LeanTarget(model), TargetModel(model)
+    keys = {cache_key(Pipe(q, t)) for q in (None, "int4", "int8") for t in (lean, hf)}
+    assert len(keys) == 6  # int4 no longer reuses bf16's verify costs; lean and hf are measured apart

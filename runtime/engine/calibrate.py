@@ -96,7 +96,8 @@ def measure_costs(pipeline: Any, context: int = 96, reps: int = 3) -> VerifyCost
 
 
 def cache_key(pipeline: Any) -> str:
-    """Identity of a measurement: model, device, dtype, threads, torch version."""
+    """Identity of a measurement: model, quantization scheme, target forward (lean or transformers),
+    drafter shape, device, dtype, threads, torch version."""
     d = pipeline.describe()
     drafter = pipeline.drafter
     shape = (
@@ -104,7 +105,10 @@ def cache_key(pipeline: Any) -> str:
         if drafter is not None
         else "none"
     )
-    return "|".join([d["target"], shape, d["device"], d["dtype"], str(torch.get_num_threads()), torch.__version__])
+    quant = d.get("quantization") or "none"
+    engine = "lean" if type(pipeline.target).__name__ == "LeanTarget" else "hf"
+    parts = [d["target"], quant, engine, shape, d["device"], d["dtype"], str(torch.get_num_threads()), torch.__version__]
+    return "|".join(parts)
 
 
 def cached_costs(pipeline: Any, cache_file: Path, remeasure: bool = False) -> VerifyCosts:

@@ -59,7 +59,7 @@ class DraftHead:
 
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
         """Greedy draft ids for hidden states [K, D] -> [K] (ids in the full vocabulary)."""
-        best = torch.argmax(self.logits(hidden), dim=-1)
+        best = torch.argmax(self.logits(hidden).float(), dim=-1)  # float: see sampling.sample
         return self.ids[best] if self.ids is not None else best
 
 

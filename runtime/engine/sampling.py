@@ -54,6 +54,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         [N] int64 token ids.
     """
     if params.greedy:
-        return torch.argmax(logits, dim=-1)
+        # argmax over float32 equals argmax over bf16/fp16 (exact upcast, first maximum wins) and
+        # runs ~8x faster on CPUs, where the half-precision reduction is not vectorised
+        return torch.argmax(logits.float(), dim=-1)
     probs = probabilities(logits, params)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
