@@ -130,7 +130,24 @@ def _mt_bench() -> PromptSet:
     )
 
 
-DATASETS = {"humaneval": _humaneval, "mbpp": _mbpp, "gsm8k": _gsm8k, "mt-bench": _mt_bench}
+def _chat_coding() -> PromptSet:
+    prompts = tuple(Prompt(r["id"], r["prompt"], "chat") for r in _read_jsonl(ASSETS / "chat_coding.jsonl"))
+    return PromptSet(
+        "chat-coding",
+        "code, chat",
+        "written for dflash: code edits, fixes, tests, Go/Rust/SQL/bash/JS/TS",
+        "Apache-2.0",
+        prompts,
+    )
+
+
+DATASETS = {
+    "humaneval": _humaneval,
+    "mbpp": _mbpp,
+    "gsm8k": _gsm8k,
+    "mt-bench": _mt_bench,
+    "chat-coding": _chat_coding,
+}
 
 
 def load_dataset(name: str) -> PromptSet:
