@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import platform
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -360,7 +361,23 @@ def _preset_of(ref: Any) -> tuple[presets.Preset | None, Check | None]:
     return presets.get_preset(presets.EMBEDDED), None
 
 
-def run_doctor(ref: Any, runtime: RuntimeConfig, opts: Any, memory_probe: MemoryProbe | None = None) -> list[Check]:
+def _speed(speed_file: Path, target_name: str, device: torch.device, dtype: torch.dtype) -> Check:
+    from runtime.bench.probe import describe, load_result, probe_key
+
+    stored = load_result(speed_file, probe_key(target_name, str(device), dtype_name(dtype)))
+    if stored is None:
+        return Check("speed", "info", "not measured on this machine yet", "`dflash doctor --speed` measures it")
+    when = time.strftime("%Y-%m-%d", time.localtime(stored.measured_at))
+    return Check("speed", "info", f"{describe(stored)} (measured {when})")
+
+
+def run_doctor(
+    ref: Any,
+    runtime: RuntimeConfig,
+    opts: Any,
+    memory_probe: MemoryProbe | None = None,
+    speed_file: Path | None = None,
+) -> list[Check]:
     """Check device, dtype, memory, the pair's files and compatibility, and the chat template.
 
     Args:
@@ -368,6 +385,7 @@ def run_doctor(ref: Any, runtime: RuntimeConfig, opts: Any, memory_probe: Memory
         runtime: device and dtype to check.
         opts: ``LoadOptions`` (cache folders, revision); ``offline`` is implied.
         memory_probe: returns (total, available) bytes of a device (default ``device_memory``).
+        speed_file: where ``dflash doctor --speed`` keeps its measurements (None: no speed line).
 
     Returns:
         The checks in report order; any with status "fail" means the pair will not run as asked.
@@ -431,6 +449,10 @@ def run_doctor(ref: Any, runtime: RuntimeConfig, opts: Any, memory_probe: Memory
         checks.append(_memory(device, dtype, params, _kv_bytes(target_cfg, dtype), memory_probe or device_memory))
     if target.folder is not None:
         checks += _template(target.folder, preset)
+    if speed_file is not None and target_cfg is not None:
+        checks.append(
+            _speed(speed_file, embedded.TARGET_NAME if target_ref == "embedded" else str(target_ref), device, dtype)
+        )
     from runtime.models.store import hub_cache_dir
 
     cache = hub_cache_dir(opts.hf_cache_dir)

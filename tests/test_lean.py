@@ -163,3 +163,24 @@ def test_calibration_key_names_quantization_and_engine():
     lean, hf = LeanTarget(model), TargetModel(model)
     keys = {cache_key(Pipe(q, t)) for q in (None, "int4", "int8") for t in (lean, hf)}
     assert len(keys) == 6  # int4 no longer reuses bf16's verify costs; lean and hf are measured apart
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_lean_forward_on_quantized_target_equals_its_plain_greedy(scheme):
+    """Quantized weights (torchao tensor subclasses) run through the lean forward unpacked; DFlash on
+    them equals cache-free greedy decoding of the same quantized model."""
+    pytest.importorskip("torchao")
+    from runtime.quantize.schemes import quantize_model_inplace
+
+    model = make_target("qwen2", vocab_size=96, seed=3)
+    quantize_model_inplace(model, scheme, "cpu")
+    lean = LeanTarget(model)
+    assert not any(lay.qkv.packed for lay in lean.lean_layers)
+    drafter = make_drafter(model.config, block_size=6)
+    params = SamplingParams(max_new_tokens=16)
+    rng = random.Random(scheme)
+    for _ in range(3):
+        p = [rng.randrange(96) for _ in range(rng.randint(2, 10))]
+        ref = greedy_reference(model, p, 16)
+        assert collect_ids(list(AutoregressiveDecoder(lean).stream(p, params))) == ref
+        assert collect_ids(list(DFlashDecoder(lean, drafter).stream(p, params))) == ref

@@ -1,6 +1,6 @@
 """`dflash doctor`: check device, dtype, memory and a pair's files and compatibility, with fixes.
 
-Nothing is loaded, downloaded or converted. The report goes to stdout (or JSON with --json);
+Nothing is loaded, downloaded or converted (except with --speed, which loads the pair to measure). The report goes to stdout (or JSON with --json);
 the exit code is that of the first failed check (0 when everything can run).
 """
 
@@ -20,9 +20,11 @@ from ..common import (
     ModelOpt,
     RevisionOpt,
     TargetOpt,
+    load,
     load_options,
     model_ref,
     runtime_config,
+    state_dir,
 )
 from ..errors import handle_errors
 
@@ -39,12 +41,29 @@ def doctor(
     dtype: DtypeOpt = DtypeChoice.auto,
     revision: RevisionOpt = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the checks as JSON.")] = False,
+    speed: Annotated[
+        bool,
+        typer.Option(
+            "--speed",
+            help="Load the pair and measure which precision (bf16, int8, int4) and decoder is fastest here "
+            "(about a minute; remembered for later `dflash doctor` runs).",
+        ),
+    ] = False,
 ) -> None:
     """Check that this machine can run a pair (the embedded one by default) and print fixes."""
     from runtime.doctor import exit_code, run_doctor
 
     ref = model_ref(model, target, drafter)
-    checks = run_doctor(ref, runtime_config(device, dtype), load_options(True, revision))
+    speed_file = state_dir() / "speed.json"
+    runtime = runtime_config(device, dtype)
+    if speed and exit_code(run_doctor(ref, runtime, load_options(True, revision))) == 0:
+        from runtime.bench.probe import measure_speed, save_result
+
+        def load_with(scheme: str | None):  # type: ignore[no-untyped-def]
+            return load(model, target, drafter, device, dtype, True, revision, scheme)
+
+        save_result(measure_speed(load_with, progress=lambda m: print(m, file=sys.stderr)), speed_file)
+    checks = run_doctor(ref, runtime, load_options(True, revision), speed_file=speed_file)
     code = exit_code(checks)
     if json_out:
         print(json.dumps({"ok": code == 0, "exit_code": code, "checks": [c.to_json() for c in checks]}, indent=2))
