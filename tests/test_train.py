@@ -445,3 +445,21 @@ def test_ood_set_loads_and_is_held_out():
     assert tok.decode(ids).count("<|im_start|>") == len(tp[0].messages) + 1
     r = CliRunner().invoke(app, ["bench", "--help"])
     assert "ood-chat" in r.output
+
+
+def test_cli_train_soft_target_init_auto_vocab(tiny, tmp_path, monkeypatch):
+    _, target_dir, data_dir, _ = tiny
+    out = tmp_path / "run"
+    args = ["train", "--target", str(target_dir), "--out", str(out), "--data", str(data_dir), "--taps", "1,2,3"]
+    args += ["--steps", "10", "-b", "4", "--anchors", "8", "--no-eval", "--no-ood-eval", "--dtype", "float32"]
+    args += ["--distill", "soft", "--soft-weight", "0.6", "--init", "target", "--draft-vocab", "auto"]
+    monkeypatch.setattr(sys, "argv", ["dflash", *args])
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    card = (out / "drafter" / "README.md").read_text()
+    assert "initialisation: target (target layers [3]" in card and "labels: soft" in card
+    assert "auto: smallest N with held-out OOV share <= 1.0%" in card
+    state = torch.load(out / "checkpoint" / "trainer_state.pt", weights_only=False)
+    assert state["config"]["distill"] == "soft" and state["config"]["soft_weight"] == 0.6
+    bad = CliRunner().invoke(app, ["train", "--out", str(tmp_path / "x"), "--steps", "1", "--draft-vocab", "lots"])
+    assert bad.exit_code == 2 and "--draft-vocab" in bad.output

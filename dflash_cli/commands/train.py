@@ -406,6 +406,7 @@ def _teacher_forced(pipe: Any, out: Path, sets: dict[str, Path]) -> dict[str, An
     """Top-k coverage per slot, OOV share and teacher-forced tau of the checkpoint on datasets of
     target answers (the validation shard, the OOD answers)."""
     from runtime.engine.drafter import load_draft_model
+    from runtime.errors import ConfigError
     from runtime.train.api import frozen_weights, open_datasets, open_eval_set
     from runtime.train.trainer import TrainConfig, Trainer
 
@@ -416,10 +417,13 @@ def _teacher_forced(pipe: Any, out: Path, sets: dict[str, Path]) -> dict[str, An
     for name, path in sets.items():
         if not path or not Path(path).is_dir() or not list(Path(path).glob("shard-*.safetensors")):
             continue
-        if name == "in_distribution":
-            _, data = open_datasets(Path(path), taps, pipe.target.hidden_size)
-        else:
-            data = open_eval_set(Path(path), taps, pipe.target.hidden_size)
+        try:
+            if name == "in_distribution":
+                _, data = open_datasets(Path(path), taps, pipe.target.hidden_size)
+            else:
+                data = open_eval_set(Path(path), taps, pipe.target.hidden_size)
+        except ConfigError:  # too few shards, or features of other layers: nothing to measure here
+            continue
         cfg = TrainConfig(steps=1, bf16=pipe.dtype != __import__("torch").float32)
         tr = Trainer(drafter, embed, head, data, data, cfg, out, "cpu")
         res[name] = tr.validate(max_seqs=64, dataset=data, name=name)

@@ -300,6 +300,7 @@ def fit(
     ckpt = out_dir / "checkpoint"
     embed, head, final_norm = frozen_weights(target)
     hidden = target.hidden_size
+    init_report = None
     if resume:
         if not ckpt.exists():
             raise ConfigError(f"nothing to resume: {ckpt} does not exist")
@@ -325,7 +326,6 @@ def fit(
             mask_token_id=mask,
             intermediate_size=spec.intermediate_size,
         )
-        init_report = None
         if spec.init == "target":
             cfg["attention_bias"] = target_has_attention_bias(target.model)  # Qwen2: copy q/k/v biases
         drafter = init_drafter(cfg, final_norm)
@@ -361,7 +361,9 @@ def fit(
 
     trainer.on_eval = on_eval
     recorded = dict(drafter.config.raw.get("dflash_training") or {}) if resume else {}
-    init_note = recorded.get("init") or {"kind": spec.init, **({"report": init_report} if init_report else {})}
+    init_note = recorded.get("init") or (
+        {"kind": "not recorded"} if resume else {"kind": spec.init, **({"report": init_report} if init_report else {})}
+    )
     vocab_note = recorded.get("draft_vocab") or _vocab_note(coverage, drafter)
 
     def extra() -> dict[str, Any]:
