@@ -97,7 +97,9 @@ def train(
     eval_only: Annotated[
         bool, typer.Option("--eval-only", help="Evaluate OUT/checkpoint and export it again; no training.")
     ] = False,
-    eval_prompts: Annotated[int, typer.Option("--eval-prompts", help="Prompts per evaluation set (in-distribution and OOD).")] = 8,
+    eval_prompts: Annotated[
+        int, typer.Option("--eval-prompts", help="Prompts per evaluation set (in-distribution and OOD).")
+    ] = 8,
     eval_tokens: Annotated[int, typer.Option("--eval-tokens", help="Tokens per evaluation generation.")] = 96,
     no_eval: Annotated[bool, typer.Option("--no-eval", help="Skip the final evaluation.")] = False,
     device: DeviceOpt = "auto",
