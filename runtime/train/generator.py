@@ -317,7 +317,7 @@ def _kind_pools(
         text = rng.choice(EXPLAIN_CODE).format(code=d.code)
         pools["explain-code"].append(TrainPrompt(text, True, f"explain-code:{d.module}.{d.name}"))
     for task in TASKS:
-        for lang in rng.sample(LANGS_ALL, 4):
+        for lang in LANGS_ALL:
             text = rng.choice(EXPLAIN_THEN_CODE).format(lang=lang, task=task, inf=_infinitive(task))
             pools["explain-then-code"].append(TrainPrompt(text, True, f"explain-then-code:{lang}"))
     for d in shuffled(with_code):
