@@ -202,11 +202,9 @@ def train(
         resume=resume,
         extend=extend,
         device=pipe.device,
-        progress=_train_progress(say),
+        progress=_train_progress(say, None if resume else out),
         eval_sets=eval_sets,
     )
-    for line in _vocab_lines(out):
-        say(line)
     evaluation = None
     if not no_eval and eval_prompts > 0:
         evaluation = _evaluate(pipe, out, eval_prompts, eval_tokens, say, data_dir, ood_eval)
@@ -358,12 +356,16 @@ def _printer() -> Any:
     return say
 
 
-def _train_progress(say: Any) -> Any:
-    state = {"last": 0.0}
+def _train_progress(say: Any, out: Path | None = None) -> Any:
+    state = {"last": 0.0, "vocab_shown": out is None}
 
     def show(info: dict[str, Any]) -> None:
         import time
 
+        if not state["vocab_shown"] and out is not None:  # fit() wrote it before the first step
+            state["vocab_shown"] = True
+            for line in _vocab_lines(out):
+                say(line)
         now = time.monotonic()
         if "val" in info or now - state["last"] > 10:
             state["last"] = now
