@@ -252,6 +252,11 @@ def _eval_only(
     raw = json.loads((out / "checkpoint" / "config.json").read_text())
     recorded = raw.get("dflash_training") or {}
     data_dir = recorded.get("dataset")
+    if ood_eval and pipe.tokenizer is not None:  # runs trained before the OOD set (or with --no-ood-eval)
+        from runtime.train.api import prepare_eval_data
+
+        taps = raw.get("dflash_config", {}).get("target_layer_ids") or raw.get("target_layer_ids")
+        prepare_eval_data(pipe.target, pipe.tokenizer, out / "eval-data" / "ood", taps, pipe.stop_token_ids)
     evaluation = _evaluate(pipe, out, eval_prompts, eval_tokens, say, Path(data_dir) if data_dir else None, ood_eval)
     cfg = dict(blob["config"])
     cfg["betas"] = tuple(cfg["betas"])
