@@ -27,7 +27,14 @@ def tiny(tmp_path_factory):
     target_dir = root / "target"
     target_dir.mkdir()
     tok = make_tokenizer(target_dir)
-    model = make_target("qwen3", vocab_size=len(tok) + 8, seed=0, eos_token_id=tok.eos_token_id, initializer_range=0.05)
+    model = make_target(
+        "qwen3",
+        vocab_size=len(tok) + 8,
+        seed=0,
+        eos_token_id=tok.eos_token_id,
+        initializer_range=0.05,
+        max_position_embeddings=4096,  # the OOD set's multi-turn prompts are long in a 320-token vocabulary
+    )
     model.save_pretrained(str(target_dir))
     pipe = load_pipeline(ModelRef(target=str(target_dir), drafter="none"), RuntimeConfig(dtype="float32"))
     data_dir = root / "data"
@@ -85,10 +92,11 @@ def test_training_loss_falls_and_beats_untrained(tiny, tmp_path):
     untrained = init_drafter(dict(trained.config.raw))
     untrained.draft_vocab_ids = trained.draft_vocab_ids
     save_draft_model(untrained, tmp_path / "untrained")
+    from runtime.train.evaluate import encode
     from runtime.train.prompts import build_prompts
 
-    held_out = build_prompts(seed=0)[60:68]  # the dataset used the first 48
-    prompts = [pipe.encode(p.text, chat=p.chat) for p in held_out]
+    held_out = build_prompts(seed=0)[60:]  # the dataset used the first 48
+    prompts = [ids for ids in (encode(pipe, p) for p in held_out) if len(ids) < 200][:8]
     tau_trained, p = _tau(pipe, ckpt, prompts)
     tau_untrained, _ = _tau(pipe, tmp_path / "untrained", prompts)
     assert tau_trained > tau_untrained + 0.2, (tau_trained, tau_untrained)
@@ -166,6 +174,10 @@ def test_cli_train_end_to_end(tiny, tmp_path, monkeypatch):
         "2",
         "--eval-tokens",
         "12",
+        "--eval-every",
+        "30",
+        "--answer-tokens",
+        "16",
         "--dtype",
         "float32",
     ]
@@ -178,6 +190,24 @@ def test_cli_train_end_to_end(tiny, tmp_path, monkeypatch):
     assert "median tau" in card and "Reproduce" in card
     assert "dflash train --target" in card and "--steps 30" in card
     assert "answered prompts in" in card  # the dataset's size
+    # in-distribution and OOD side by side, top-k coverage per slot, OOV share, the data mix
+    assert "| | in_distribution | ood |" in card and "pooled tau" in card
+    assert "slot 1: top-1 / 2 / 4 / 8" in card and "slot 3: top-1 / 2 / 4 / 8" in card and "OOV share" in card
+    assert "| kind | prompts | answer tokens |" in card
+    assert str(tmp_path) not in card and str(target_dir) not in card  # no machine-specific paths
+    assert "dataset:" in r.stderr and "draft vocabulary:" in r.stderr  # mix and coverage reports printed
+    report = json.loads((out / "data-report.json").read_text())
+    assert report["sequences"] > 0 and sum(v["sequences"] for v in report["mix"].values()) == report["sequences"]
+    evals = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [0, 30]  # --eval-every 30: logged as training goes
+    for e in evals:
+        for name in ("in_distribution", "ood"):
+            assert set(e[name]["topk_coverage"]) == {"top1", "top2", "top4", "top8"} and "oov_share" in e[name]
+    exported = json.loads((drafter_dir / "config.json").read_text())
+    ev = exported["dflash_training"]["evaluation"]
+    assert set(ev["sets"]) == {"in_distribution", "ood"} and set(ev["teacher_forced"]) == {"in_distribution", "ood"}
+    assert ev["sets"]["ood"]["prompts"] >= 1 and "pooled_tau" in ev["sets"]["ood"]
+    assert not exported["dflash_training"]["dataset"].startswith("/")
     # re-evaluating and re-exporting keeps the training command in the card (not the --eval-only one)
     again = [
         "train",
@@ -209,3 +239,227 @@ def test_cli_train_end_to_end(tiny, tmp_path, monkeypatch):
 def test_cli_train_needs_a_budget(tmp_path):
     r = CliRunner().invoke(app, ["train", "--out", str(tmp_path)])
     assert r.exit_code == 2 and "--steps" in r.output
+
+
+# -- issue 13: soft labels, init from the target, vocabulary coverage, prompt mix, OOD set --------
+
+
+def test_topk_soft_labels_match_target_logits(tiny):
+    """The stored top-k ids and log-probabilities are the target's own distribution at each answer
+    position (recomputed here with one teacher-forced forward)."""
+    pipe, _, data_dir, _ = tiny
+    assert json.loads((data_dir / "dataset.json").read_text())["topk"] == 8
+    shard = load_shard(sorted(data_dir.glob("shard-*.safetensors"))[0])
+    assert shard.topk_ids.dtype == torch.int32 and shard.topk_logp.dtype == torch.float16  # compact
+    answers = int(shard.tokens.numel() - shard.prompt_len.sum())
+    assert shard.topk_ids.shape == (answers, 8)
+    for j in (0, 1):
+        a, b = int(shard.offsets[j]), int(shard.offsets[j + 1])
+        seq, plen = shard.tokens[a:b], int(shard.prompt_len[j])
+        with torch.no_grad():
+            logits = pipe.target.model(input_ids=seq[None]).logits[0].float()
+        logp = logits.log_softmax(-1)[plen - 1 : b - a - 1]  # the distribution of each answer token
+        ref_lp, ref_ids = logp.topk(8, dim=-1)
+        r0 = shard.answer_start(j)
+        ids = shard.topk_ids[r0 : r0 + b - a - plen].long()
+        lp = shard.topk_logp[r0 : r0 + b - a - plen].float()
+        assert torch.equal(ids[:, 0], seq[plen:])  # greedy answers: top-1 is the answer token
+        assert (ids == ref_ids).float().mean() > 0.98  # (near-ties may swap in the tail)
+        torch.testing.assert_close(lp, ref_lp, atol=2e-2, rtol=1e-2)
+
+
+def test_soft_distillation_trains(tiny, tmp_path):
+    pipe, _, data_dir, _ = tiny
+    spec = DrafterSpec(num_layers=1, block_size=4, draft_vocab=0)
+    cfg = TrainConfig(steps=150, lr=3e-3, anchors=16, eval_every=50, distill="soft", soft_weight=0.7, seed=0)
+    trainer = fit(pipe.target, pipe.tokenizer, data_dir, tmp_path, spec, cfg)
+    hist = trainer.state.history
+    assert "val_soft" in hist[0] and hist[-1]["val_soft"] < hist[0]["val_soft"] - 0.5
+    assert hist[-1]["val_kl"] < hist[0]["val_kl"] - 0.4, hist  # closer to the target's distribution
+    assert hist[-1]["val_loss"] < hist[0]["val_loss"] * 0.75  # the hard CE falls as well
+    # at equal steps, the soft term brings the drafter closer to the target's distribution than hard labels
+    hard_cfg = TrainConfig(steps=150, lr=3e-3, anchors=16, eval_every=50, distill="hard", seed=0)
+    hard = fit(pipe.target, pipe.tokenizer, data_dir, tmp_path / "hard", spec, hard_cfg).state.history
+    assert hist[-1]["val_kl"] < hard[-1]["val_kl"], (hist[-1], hard[-1])
+    assert hist[-1]["topk_coverage"]["top8"][0] >= hist[-1]["topk_coverage"]["top1"][0]
+    # the soft term is exactly a cross-entropy against the renormalised top-k distribution
+    data = trainer.train_data
+    seqs = [data.get(0, 4096)]
+    import random
+
+    from runtime.train.trainer import build_batch
+
+    batch = build_batch(seqs, 4, 4, trainer.mask_id, random.Random(0), [data.get_topk(0, 4096)])
+    logits = torch.randn(batch["labels"].numel(), trainer.head.shape[0])
+    w = trainer.weights.repeat(batch["labels"].shape[0] * batch["labels"].shape[1])
+    got, _ = trainer._soft_ce(logits, batch, w)
+    ids, lp = batch["soft_ids"].view(-1, 8), batch["soft_logp"].view(-1, 8)
+    q = lp.exp() * (ids >= 0)
+    has = q.sum(-1) > 0
+    q = q / q.sum(-1, keepdim=True).clamp(min=1e-12)
+    per = -(q * logits.log_softmax(-1).gather(1, ids.clamp(min=0))).sum(-1)
+    torch.testing.assert_close(got, (per * w * has).sum() / (w * has).sum())
+
+
+def test_soft_distillation_needs_topk(tiny, tmp_path):
+    import dataclasses
+
+    from runtime.errors import ConfigError
+    from runtime.train.api import open_datasets
+    from runtime.train.model_init import init_drafter, make_drafter_config
+    from runtime.train.trainer import Trainer
+
+    pipe, _, data_dir, _ = tiny
+    train, val = open_datasets(data_dir, [1, 2, 3], pipe.target.hidden_size)
+    train.shards = [dataclasses.replace(s, topk_ids=None, topk_logp=None) for s in train.shards]
+    d = init_drafter(make_drafter_config(pipe.target.config, block_size=4, target_layer_ids=[1, 2, 3], mask_token_id=5))
+    embed, head = pipe.target.embed.weight, pipe.target.lm_head.weight
+    with pytest.raises(ConfigError, match="top-k"):
+        Trainer(d, embed, head, train, val, TrainConfig(steps=1, distill="soft"), tmp_path)
+    Trainer(d, embed, head, train, val, TrainConfig(steps=1, distill="hard"), tmp_path)  # hard labels are fine
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_init_from_target(arch, tmp_path):
+    """Drafter layer <- the target's last layer: projections, MLP and norms copied; Qwen2's q/k/v
+    biases copied (the drafter gets attention_bias), qk-norm copied from Qwen3 and left at 1 for
+    Qwen2; a narrower MLP keeps the target's strongest neurons; the result saves and loads."""
+    from runtime.train.model_init import init_drafter, init_from_target, make_drafter_config, target_has_attention_bias
+
+    target = make_target(arch, vocab_size=64, seed=1)
+    last = target.model.layers[-1]
+    assert target_has_attention_bias(target) == (arch == "qwen2")
+    cfg = make_drafter_config(
+        target.config, block_size=4, target_layer_ids=[1, 2], mask_token_id=63, intermediate_size=128
+    )
+    cfg["attention_bias"] = target_has_attention_bias(target)
+    d = init_drafter(cfg)
+    rep = init_from_target(d, target)
+    assert rep["source_layers"] == [3] and not rep["skipped"] and not rep["pruned"]
+    dl = d.layers[0]
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        assert torch.equal(getattr(dl.self_attn, name).weight, getattr(last.self_attn, name).weight)
+    if arch == "qwen2":
+        for name in ("q_proj", "k_proj", "v_proj"):
+            assert torch.equal(getattr(dl.self_attn, name).bias, getattr(last.self_attn, name).bias)
+        assert torch.equal(dl.self_attn.q_norm.weight, torch.ones(16)) and any("q_norm" in n for n in rep["notes"])
+    else:
+        assert torch.equal(dl.self_attn.q_norm.weight, last.self_attn.q_norm.weight)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(dl.mlp(x), last.mlp(x))  # the MLP is the target's exactly
+    torch.testing.assert_close(dl.input_layernorm(x), last.input_layernorm(x))
+    save_draft_model(d, tmp_path / "d")
+    back = load_draft_model(tmp_path / "d")
+    assert torch.equal(back.layers[0].self_attn.q_proj.weight, last.self_attn.q_proj.weight)
+    # a narrower MLP: the 64 strongest of the target's 128 neurons, in order
+    cfg["intermediate_size"] = 64
+    d2 = init_drafter(cfg)
+    rep2 = init_from_target(d2, target)
+    assert rep2["pruned"] and "64 of 128" in rep2["pruned"][0]
+    rows = {tuple(r.tolist()) for r in last.mlp.gate_proj.weight}
+    assert all(tuple(r.tolist()) in rows for r in d2.layers[0].mlp.gate_proj.weight)
+
+
+def test_fit_with_init_target_and_auto_vocab(tiny, tmp_path):
+    pipe, _, data_dir, _ = tiny
+    spec = DrafterSpec(num_layers=1, block_size=4, draft_vocab="auto", max_oov=0.02, init="target")
+    fit(pipe.target, pipe.tokenizer, data_dir, tmp_path, spec, TrainConfig(steps=5, anchors=8, eval_every=5))
+    init = json.loads((tmp_path / "init-report.json").read_text())
+    assert init["source_layers"] == [pipe.target.num_layers - 1] and init["copied"]
+    cov = json.loads((tmp_path / "vocab-coverage.json").read_text())
+    rows = cov["rows"]
+    assert rows[-1]["n"] == pipe.target.vocab_size and rows[-1]["oov_share"] == 0.0  # the full vocabulary
+    assert all(a["oov_share"] >= b["oov_share"] for a, b in zip(rows, rows[1:], strict=False))
+    assert all(a["head_mflops_per_slot"] < b["head_mflops_per_slot"] for a, b in zip(rows, rows[1:], strict=False))
+    chosen = cov["chosen"]
+    assert chosen["full"] or chosen["oov_share"] <= 0.02
+    rec = json.loads((tmp_path / "checkpoint" / "config.json").read_text())["dflash_training"]
+    assert rec["init"]["kind"] == "target" and rec["draft_vocab"]["n"] == chosen["n"]
+
+
+def test_vocab_choice_rules():
+    from collections import Counter
+
+    from runtime.train import vocab
+
+    train = Counter({i: 1000 - i for i in range(1000)})  # id i is the (i+1)-th most frequent
+    held = Counter({i: 1 for i in range(100)}) + Counter({5000: 1})  # 1 of 101 never seen in training
+    assert vocab.choose_size(train, held, 150_000, max_oov=0.02) == 512  # 100 ids suffice, rounded up
+    assert vocab.choose_size(train, held, 150_000, max_oov=0.001) == 0  # unreachable: full vocabulary
+    assert vocab.oov_share(vocab.ranked_tokens(train), held, 50) == pytest.approx(51 / 101)
+    rep = vocab.coverage_report(train, held, 150_000, 64, 10_000, sizes=(10, 100))
+    assert [r["n"] for r in rep["rows"]] == [10, 100, 1000, 150_000]
+    assert rep["rows"][1]["oov_share"] == pytest.approx(1 / 101, abs=1e-4)
+    assert vocab.vocab_ids(train, 10, always=[999]).tolist() == [*range(9), 999]
+
+
+def test_prompt_generator_kinds_mix_and_dedupe():
+    from runtime.train.dedupe import EvalIndex, evaluation_index, prompt_text
+    from runtime.train.generator import MIX, build_prompts_v2, mix_counts
+    from runtime.train.prompts import LANGUAGES
+
+    prompts = build_prompts_v2(seed=0)
+    counts = mix_counts(prompts)
+    assert set(counts) == set(MIX) and len(prompts) > 10_000
+    head = mix_counts(prompts[:1000])  # any prefix keeps the mix
+    for kind, share in MIX.items():
+        assert abs(head[kind] / 1000 - share) < 0.01, (kind, head[kind])
+    by_kind = {k: [p for p in prompts if p.kind == k] for k in MIX}
+    assert all(
+        p.messages and len(p.messages) == 3 and p.messages[1]["role"] == "assistant" for p in by_kind["multi-turn"]
+    )
+    assert all("```python" in p.text for k in MIX if k.startswith("edit-") for p in by_kind[k][:50])
+    assert all(not p.chat for p in by_kind["raw-file"] + by_kind["stdlib-raw"])
+    assert {p.source.split(":")[1] for p in by_kind["task"]} == set(LANGUAGES)  # every language of the task list
+    assert any("python" in p.source for p in by_kind["raw-file"])
+    # nothing generated duplicates an evaluation prompt (bench sets, held-out, OOD)
+    index = evaluation_index()
+    assert len(index) > 200
+    assert not any(index.matches(prompt_text(p)) for p in prompts[:3000])
+    # the index catches exact, reworded and embedded copies, not mere topic overlap
+    idx = EvalIndex(["Write a Python function that flattens an arbitrarily nested list."])
+    assert idx.matches("write a python function that FLATTENS an arbitrarily nested list!")
+    assert idx.matches("Write a JavaScript function that flattens an arbitrarily nested list.")
+    assert idx.matches("Here is some context.\nWrite a Python function that flattens an arbitrarily nested list")
+    assert not idx.matches("Write a Python function that reverses a linked list.")
+
+
+def test_ood_set_loads_and_is_held_out():
+    from runtime.bench.datasets import load_dataset
+    from runtime.train.dedupe import evaluation_texts
+    from runtime.train.heldout import ood_prompts
+
+    ood = load_dataset("ood-chat")
+    assert len(ood.prompts) >= 16 and all(p.mode == "chat" and p.messages for p in ood.prompts)
+    assert sum(len(p.messages) > 1 for p in ood.prompts) >= 3  # multi-turn
+    text = " ".join(m["content"] for p in ood.prompts for m in p.messages).lower()
+    for lang in ("go", "rust", "sql", "bash", "javascript", "python"):
+        assert lang in text
+    tp = ood_prompts()
+    assert len(tp) == len(ood.prompts) and all(p.kind == "ood" for p in tp)
+    assert len([t for t in evaluation_texts() if "deepEqual" in t]) == 1  # part of every dedupe
+    tok = make_tokenizer()
+    from runtime.train.data import encode_prompt
+
+    ids = encode_prompt(tok, tp[0].text, True, tp[0].messages)
+    assert tok.decode(ids).count("<|im_start|>") == len(tp[0].messages) + 1
+    r = CliRunner().invoke(app, ["bench", "--help"])
+    assert "ood-chat" in r.output
+
+
+def test_cli_train_soft_target_init_auto_vocab(tiny, tmp_path, monkeypatch):
+    _, target_dir, data_dir, _ = tiny
+    out = tmp_path / "run"
+    args = ["train", "--target", str(target_dir), "--out", str(out), "--data", str(data_dir), "--taps", "1,2,3"]
+    args += ["--steps", "10", "-b", "4", "--anchors", "8", "--no-eval", "--no-ood-eval", "--dtype", "float32"]
+    args += ["--distill", "soft", "--soft-weight", "0.6", "--init", "target", "--draft-vocab", "auto"]
+    monkeypatch.setattr(sys, "argv", ["dflash", *args])
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    card = (out / "drafter" / "README.md").read_text()
+    assert "initialisation: target (target layers [3]" in card and "labels: soft" in card
+    assert "auto: smallest N with held-out OOV share <= 1.0%" in card
+    state = torch.load(out / "checkpoint" / "trainer_state.pt", weights_only=False)
+    assert state["config"]["distill"] == "soft" and state["config"]["soft_weight"] == 0.6
+    bad = CliRunner().invoke(app, ["train", "--out", str(tmp_path / "x"), "--steps", "1", "--draft-vocab", "lots"])
+    assert bad.exit_code == 2 and "--draft-vocab" in bad.output

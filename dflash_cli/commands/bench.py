@@ -91,7 +91,7 @@ def bench(
     drafter: DrafterOpt = None,
     dataset: Annotated[
         str | None,
-        typer.Option("--dataset", "-d", help="Prompt set: humaneval (default), mbpp, gsm8k, mt-bench."),
+        typer.Option("--dataset", "-d", help="Prompt set: humaneval (default), mbpp, gsm8k, mt-bench, ood-chat."),
     ] = None,
     prompts_file: Annotated[
         str | None,

@@ -59,7 +59,30 @@ def train(
     block_size: Annotated[int, typer.Option("--block-size", "-b", help="Drafter block size.")] = 8,
     taps: Annotated[str | None, typer.Option("--taps", help="Target layers to tap, e.g. 1,6,11,16,21.")] = None,
     intermediate_size: Annotated[int | None, typer.Option("--intermediate-size", help="Drafter MLP width.")] = None,
-    draft_vocab: Annotated[int, typer.Option("--draft-vocab", help="Reduced draft vocabulary (0 = full).")] = 16384,
+    draft_vocab: Annotated[
+        str,
+        typer.Option(
+            "--draft-vocab",
+            help="Draft vocabulary: auto (smallest N with <= --max-oov of held-out answer tokens outside), N, or full.",
+        ),
+    ] = "auto",
+    max_oov: Annotated[float, typer.Option("--max-oov", help="OOV share --draft-vocab auto aims for.")] = 0.01,
+    distill: Annotated[
+        str, typer.Option("--distill", help="hard: greedy labels; soft: plus the target's top-k distribution.")
+    ] = "hard",
+    soft_weight: Annotated[float, typer.Option("--soft-weight", help="Share of the soft term (--distill soft).")] = 0.5,
+    topk: Annotated[
+        int, typer.Option("--topk", help="Target log-probabilities kept per answer token in new datasets (0: none).")
+    ] = 8,
+    init: Annotated[
+        str, typer.Option("--init", help="random, or target: copy the target's last layer(s) where shapes allow.")
+    ] = "random",
+    eval_every: Annotated[
+        int, typer.Option("--eval-every", help="Steps between held-out evaluations (OUT/eval.jsonl).")
+    ] = 200,
+    ood_eval: Annotated[
+        bool, typer.Option("--ood-eval/--no-ood-eval", help="Evaluate on the hand-written OOD set too.")
+    ] = True,
     steps: Annotated[int | None, typer.Option("--steps", help="Optimiser steps.")] = None,
     time_budget: Annotated[str | None, typer.Option("--time-budget", help="Wall-clock budget, e.g. 45m, 2h.")] = None,
     lr: Annotated[float, typer.Option("--lr", help="Peak learning rate.")] = 1e-3,
@@ -74,7 +97,9 @@ def train(
     eval_only: Annotated[
         bool, typer.Option("--eval-only", help="Evaluate OUT/checkpoint and export it again; no training.")
     ] = False,
-    eval_prompts: Annotated[int, typer.Option("--eval-prompts", help="Held-out prompts for the final evaluation.")] = 8,
+    eval_prompts: Annotated[
+        int, typer.Option("--eval-prompts", help="Prompts per evaluation set (in-distribution and OOD).")
+    ] = 8,
     eval_tokens: Annotated[int, typer.Option("--eval-tokens", help="Tokens per evaluation generation.")] = 96,
     no_eval: Annotated[bool, typer.Option("--no-eval", help="Skip the final evaluation.")] = False,
     device: DeviceOpt = "auto",
@@ -87,12 +112,17 @@ def train(
     The drafter is saved in the published DFlash layout (config.json + model.safetensors) with a
     model card, so `dflash run --drafter OUT/drafter` and other engines load it.
     """
-    from runtime.train.api import DataSpec, DrafterSpec, export, fit, prepare_data
+    from runtime.train.api import DataSpec, DrafterSpec, data_report, export, fit, prepare_data, prepare_eval_data
     from runtime.train.trainer import TrainConfig
 
     budget = _duration(time_budget)
     if eval_only:
-        return _eval_only(out, model, target, device, dtype, offline, threads, eval_prompts, eval_tokens)
+        return _eval_only(out, model, target, device, dtype, offline, threads, eval_prompts, eval_tokens, ood_eval)
+    vocab_choice = _draft_vocab(draft_vocab)
+    if distill not in ("hard", "soft"):
+        raise typer.BadParameter(f"--distill must be hard or soft, got {distill!r}")
+    if init not in ("random", "target"):
+        raise typer.BadParameter(f"--init must be random or target, got {init!r}")
     if not data_only and not resume and steps is None and budget is None:
         raise typer.BadParameter("give --steps or --time-budget (or --data-only)")
     tap_ids = tuple(parse_ids(taps)) if taps else None
@@ -101,12 +131,22 @@ def train(
         block_size=block_size,
         taps=tap_ids,
         intermediate_size=intermediate_size,
-        draft_vocab=draft_vocab,
+        draft_vocab=vocab_choice,
+        max_oov=max_oov,
+        init=init,
     )
     cfg = None
     if not data_only and (steps is not None or budget is not None):  # --resume alone keeps the run's schedule
         cfg = TrainConfig(
-            steps=steps, time_budget=budget, lr=lr, anchors=anchors, seqs_per_step=seqs_per_step, max_len=max_len
+            steps=steps,
+            time_budget=budget,
+            lr=lr,
+            anchors=anchors,
+            seqs_per_step=seqs_per_step,
+            max_len=max_len,
+            distill=distill,
+            soft_weight=soft_weight,
+            eval_every=eval_every,
         )
     out.mkdir(parents=True, exist_ok=True)
     data_dir = data or out / "data"
@@ -127,15 +167,31 @@ def train(
         pipe.tokenizer,
         data_dir,
         data_taps,
-        DataSpec(num_prompts=prompts, max_new_tokens=answer_tokens, batch_size=gen_batch),
+        DataSpec(num_prompts=prompts, max_new_tokens=answer_tokens, batch_size=gen_batch, topk=topk),
         pipe.stop_token_ids,
         progress=lambda p: say(
             f"  shard {p['shard'] + 1}/{p['shards']}: {p['tokens']} tokens this run, {p['seconds']:.0f}s"
         ),
     )
+    report = data_report(data_dir)
+    (out / DATA_REPORT).write_text(json.dumps(report, indent=2))
+    for line in _mix_lines(report):
+        say(line)
     if data_only:
         print(data_dir)
         return
+    eval_sets = {}
+    if ood_eval:
+        say("OOD evaluation set: the target's answers to the hand-written OOD prompts")
+        eval_sets["ood"] = prepare_eval_data(
+            pipe.target,
+            pipe.tokenizer,
+            out / "eval-data" / "ood",
+            data_taps,
+            pipe.stop_token_ids,
+            max_new_tokens=answer_tokens,
+            topk=topk,
+        )
     trainer = fit(
         pipe.target,
         pipe.tokenizer,
@@ -146,15 +202,26 @@ def train(
         resume=resume,
         extend=extend,
         device=pipe.device,
-        progress=_train_progress(say),
+        progress=_train_progress(say, None if resume else out),
+        eval_sets=eval_sets,
     )
     evaluation = None
     if not no_eval and eval_prompts > 0:
-        evaluation = _evaluate(pipe, out, eval_prompts, eval_tokens, say)
+        evaluation = _evaluate(pipe, out, eval_prompts, eval_tokens, say, data_dir, ood_eval)
     card = model_card(pipe, trainer, evaluation, sys.argv, data_dir=data_dir)
     path = export(out, evaluation, card)
     say(f"drafter saved to {path}")
     print(path)
+
+
+def _draft_vocab(text: str) -> int | str:
+    """--draft-vocab: auto, full (or 0) or a size."""
+    t = text.strip().lower()
+    if t in ("auto", "full"):
+        return t if t == "auto" else 0
+    if t.isdigit():
+        return int(t)
+    raise typer.BadParameter(f"--draft-vocab must be auto, full or a number of ids, got {text!r}")
 
 
 def _eval_only(
@@ -167,6 +234,7 @@ def _eval_only(
     threads: int | None,
     eval_prompts: int,
     eval_tokens: int,
+    ood_eval: bool = True,
 ) -> None:
     """Evaluate the last checkpoint of a run and export it with a fresh model card."""
     import torch
@@ -181,12 +249,19 @@ def _eval_only(
     blob = torch.load(ckpt, map_location="cpu", weights_only=False)
     pipe = load(model, target, "none", device, dtype, offline, threads=threads)
     say = _printer()
-    evaluation = _evaluate(pipe, out, eval_prompts, eval_tokens, say)
+    raw = json.loads((out / "checkpoint" / "config.json").read_text())
+    recorded = raw.get("dflash_training") or {}
+    data_dir = recorded.get("dataset")
+    if ood_eval and pipe.tokenizer is not None:  # runs trained before the OOD set (or with --no-ood-eval)
+        from runtime.train.api import prepare_eval_data
+
+        taps = raw.get("dflash_config", {}).get("target_layer_ids") or raw.get("target_layer_ids")
+        prepare_eval_data(pipe.target, pipe.tokenizer, out / "eval-data" / "ood", taps, pipe.stop_token_ids)
+    evaluation = _evaluate(pipe, out, eval_prompts, eval_tokens, say, Path(data_dir) if data_dir else None, ood_eval)
     cfg = dict(blob["config"])
     cfg["betas"] = tuple(cfg["betas"])
     run = _RunRecord(pipe.drafter, TrainState(**blob["state"]), TrainConfig(**cfg), out)
-    recorded = pipe.drafter.config.raw.get("dflash_training") or {}  # the checkpoint's config, loaded by _evaluate
-    card = model_card(pipe, run, evaluation, sys.argv, data_dir=recorded.get("dataset"))
+    card = model_card(pipe, run, evaluation, sys.argv, data_dir=data_dir)
     path = export(out, evaluation, card)
     say(f"drafter saved to {path}")
     print(path)
@@ -200,20 +275,72 @@ class _RunRecord:
 
 
 COMMANDS_FILE = "commands.txt"
+DATA_REPORT = "data-report.json"
+
+
+def _mix_lines(report: dict[str, Any]) -> list[str]:
+    """Dataset size and mix, one line per prompt kind."""
+    lines = [
+        f"dataset: {report['sequences']} answered prompts in {report['shards']} shards, "
+        f"{report['answer_tokens']} answer tokens (+ {report['prompt_tokens']} prompt tokens), generator "
+        f"{report.get('generator', 'v1')}, soft labels: "
+        + (f"top-{report['topk']} log-probabilities" if report.get("topk") else "none (hard labels only)")
+    ]
+    total = max(report["sequences"], 1)
+    for kind, row in report.get("mix", {}).items():
+        lines.append(
+            f"  {kind:<18} {row['sequences']:>7} prompts ({row['sequences'] / total:6.1%}) "
+            f"{row['answer_tokens']:>9} answer tokens"
+        )
+    return lines
+
+
+def _vocab_lines(out: Path) -> list[str]:
+    """The draft vocabulary coverage report (OUT/vocab-coverage.json) as text."""
+    path = out / "vocab-coverage.json"
+    if not path.exists():
+        return []
+    rep = json.loads(path.read_text())
+    ch = rep["chosen"]
+    lines = [
+        f"draft vocabulary: {'full' if ch['full'] else ch['n']} ids ({ch['rule']}); held-out OOV share "
+        f"{ch['oov_share']:.2%} over {rep['heldout_answer_tokens']} held-out answer tokens",
+        "  N ids    OOV share  head MFLOP/slot  head share of drafter compute",
+    ]
+    for r in rep["rows"]:
+        lines.append(f"  {r['n']:>7}  {r['oov_share']:9.2%}  {r['head_mflops_per_slot']:15.1f}  {r['head_share']:.0%}")
+    return lines
 
 
 def _dataset_lines(data_dir: Path | str | None) -> list[str]:
-    """The dataset's size for the model card."""
-    from runtime.train.data import dataset_summary
+    """The dataset's size and mix for the model card."""
+    from runtime.train.api import data_report
 
     if not data_dir or not Path(data_dir).is_dir():
         return []
-    s = dataset_summary(Path(data_dir))
-    return [
+    s = data_report(Path(data_dir))
+    lines = [
         "",
         f"Dataset: {s['sequences']} answered prompts in {s['shards']} shards, {s['answer_tokens']} answer tokens "
-        f"(+ {s['prompt_tokens']} prompt tokens); anchors are drawn from the answers.",
+        f"(+ {s['prompt_tokens']} prompt tokens); anchors are drawn from the answers. Prompt generator "
+        f"{s['generator']}; soft labels: " + (f"top-{s['topk']} log-probabilities." if s["topk"] else "none."),
     ]
+    if s.get("mix"):
+        lines += ["", "| kind | prompts | answer tokens |", "|---|---|---|"]
+        lines += [f"| {k} | {r['sequences']} | {r['answer_tokens']} |" for k, r in s["mix"].items()]
+    return lines
+
+
+def _portable_arg(arg: str, base: Path) -> str:
+    """An absolute path in a recorded command, made relative to the run folder's parent (else its
+    last two parts), so that no machine-specific path reaches a shipped model card."""
+    if not arg.startswith("/"):
+        return arg
+    p = Path(arg)
+    try:
+        return str(p.resolve().relative_to(base.resolve().parent)) or "."
+    except ValueError:
+        return str(Path(*p.parts[-2:]))
 
 
 def _command_line(argv: list[str]) -> str:
@@ -234,12 +361,16 @@ def _printer() -> Any:
     return say
 
 
-def _train_progress(say: Any) -> Any:
-    state = {"last": 0.0}
+def _train_progress(say: Any, out: Path | None = None) -> Any:
+    state = {"last": 0.0, "vocab_shown": out is None}
 
     def show(info: dict[str, Any]) -> None:
         import time
 
+        if not state["vocab_shown"] and out is not None:  # fit() wrote it before the first step
+            state["vocab_shown"] = True
+            for line in _vocab_lines(out):
+                say(line)
         now = time.monotonic()
         if "val" in info or now - state["last"] > 10:
             state["last"] = now
@@ -251,43 +382,188 @@ def _train_progress(say: Any) -> Any:
             if "val" in info and info["val"]:
                 v = info["val"]
                 line += f" | val loss {v['val_loss']:.3f} tau_tf {v['tau_tf']:.2f} (K=3: {v['tau_tf_k3']:.2f})"
+            for name, m in (info.get("evals") or {}).items():
+                if m:
+                    line += f" | {name} tau_tf {m['tau_tf']:.2f} top1@1 {m['topk_coverage']['top1'][0]:.2f}"
             say(line)
 
     return show
 
 
-def _evaluate(pipe: Any, out: Path, n: int, tokens: int, say: Any) -> dict[str, Any]:
+def _in_distribution_prompts(data_dir: Path | None, n: int) -> tuple[str, list[Any]]:
+    """Prompts of the dataset's held-out (validation) shard, never trained on; the hand-written
+    held-out list when the dataset is not on this machine."""
+    from runtime.train.evaluate import IdPrompt
+    from runtime.train.heldout import HELDOUT
+
+    shards = sorted(Path(data_dir).glob("shard-*.safetensors")) if data_dir and Path(data_dir).is_dir() else []
+    if len(shards) < 2:
+        return "held-out prompts (hand-written, runtime/train/heldout.py)", list(HELDOUT[:n])
+    from runtime.train.data import load_shard
+
+    shard = load_shard(shards[-1])
+    out = []
+    for j in range(min(n, shard.num_sequences)):
+        a = int(shard.offsets[j])
+        ids = tuple(shard.tokens[a : a + int(shard.prompt_len[j])].tolist())
+        src = shard.sources[j] if j < len(shard.sources) else "heldout-shard"
+        out.append(IdPrompt(ids, not src.startswith(("stdlib-raw", "raw-file")), src))
+    return "the generator's prompts in the dataset's held-out shard (never trained on)", out
+
+
+def _teacher_forced(pipe: Any, out: Path, sets: dict[str, Path]) -> dict[str, Any]:
+    """Top-k coverage per slot, OOV share and teacher-forced tau of the checkpoint on datasets of
+    target answers (the validation shard, the OOD answers)."""
+    from runtime.engine.drafter import load_draft_model
+    from runtime.errors import ConfigError
+    from runtime.train.api import frozen_weights, open_datasets, open_eval_set
+    from runtime.train.trainer import TrainConfig, Trainer
+
+    drafter = load_draft_model(out / "checkpoint", "cpu")
+    taps = list(drafter.dflash.target_layer_ids)
+    embed, head, _ = frozen_weights(pipe.target)
+    res: dict[str, Any] = {}
+    for name, path in sets.items():
+        if not path or not Path(path).is_dir() or not list(Path(path).glob("shard-*.safetensors")):
+            continue
+        try:
+            if name == "in_distribution":
+                _, data = open_datasets(Path(path), taps, pipe.target.hidden_size)
+            else:
+                data = open_eval_set(Path(path), taps, pipe.target.hidden_size)
+        except ConfigError:  # too few shards, or features of other layers: nothing to measure here
+            continue
+        cfg = TrainConfig(steps=1, bf16=pipe.dtype != __import__("torch").float32)
+        tr = Trainer(drafter, embed, head, data, data, cfg, out, "cpu")
+        res[name] = tr.validate(max_seqs=64, dataset=data, name=name)
+    return res
+
+
+def _evaluate(
+    pipe: Any,
+    out: Path,
+    n: int,
+    tokens: int,
+    say: Any,
+    data_dir: Path | None = None,
+    ood: bool = True,
+) -> dict[str, Any]:
+    """Real-decoder evaluation on the in-distribution and OOD sets, side by side, plus the
+    teacher-forced top-k coverage and OOV share on the target's answers to both."""
     import torch
 
     from runtime.engine.drafter import load_draft_model
-    from runtime.train.evaluate import evaluate
-    from runtime.train.heldout import HELDOUT
+    from runtime.train.evaluate import EvalResult, evaluate
+    from runtime.train.heldout import ood_prompts
 
     pipe.drafter = load_draft_model(out / "checkpoint", pipe.device, pipe.dtype)
     pipe.target.set_taps(pipe.drafter.dflash.target_layer_ids)
     calibrate(pipe, say=say)  # the verify length is chosen from this machine's measured costs, as in `dflash run`
-    torch.manual_seed(0)
-    say(f"evaluating on {min(n, len(HELDOUT))} held-out prompts ({tokens} tokens each, plain vs DFlash)")
-    result = evaluate(pipe, HELDOUT[:n], max_new_tokens=tokens, progress=say)
-    summary = result.summary()
-    say("evaluation: " + json.dumps(summary))
-    return summary
+    what, in_dist = _in_distribution_prompts(data_dir, n)
+    sets = {"in_distribution": (what, in_dist)}
+    if ood:
+        sets["ood"] = ("hand-written OOD chat requests (runtime/assets/prompts/ood-chat.jsonl)", ood_prompts()[:n])
+    results, summary = {}, {}
+    from runtime.train.evaluate import encode
+
+    limit = pipe.target.max_positions
+    for name, (desc, prompts) in list(sets.items()):
+        fits = [p for p in prompts if limit is None or len(encode(pipe, p)) + tokens < limit]
+        if len(fits) < len(prompts):
+            say(f"{name}: {len(prompts) - len(fits)} prompt(s) longer than the target's context skipped")
+        sets[name] = (desc, fits)
+    for name, (desc, prompts) in sets.items():
+        if not prompts:
+            continue
+        torch.manual_seed(0)
+        say(f"evaluating on {len(prompts)} {name} prompts: {desc} ({tokens} tokens each, plain vs DFlash)")
+        results[name] = evaluate(pipe, prompts, max_new_tokens=tokens, progress=say)
+        summary[name] = {"description": desc, **results[name].summary()}
+        say(f"{name}: " + json.dumps(summary[name]))
+    pooled = EvalResult(tuple(p for r in results.values() for p in r.prompts)).summary()  # the verify-length prior
+    tf = _teacher_forced(pipe, out, {"in_distribution": data_dir, "ood": out / "eval-data" / "ood"})
+    for name, m in tf.items():
+        say(f"{name} teacher-forced: " + json.dumps(m))
+    return {**pooled, "sets": summary, "teacher_forced": tf}
+
+
+def _side_by_side(pipe: Any, evaluation: dict[str, Any]) -> list[str]:
+    sets = evaluation.get("sets") or {}
+    tf = evaluation.get("teacher_forced") or {}
+    names = [n for n in ("in_distribution", "ood") if n in sets or n in tf]
+    if not names:
+        return []
+    dtype = str(pipe.dtype).removeprefix("torch.")
+    lines = [
+        f"Real decoder, greedy, device {pipe.device}, dtype {dtype}, verify length chosen by the runtime:",
+        "",
+        "| | " + " | ".join(names) + " |",
+        "|---|" + "---|" * len(names),
+    ]
+
+    def row(label: str, get: Any) -> str:
+        vals = []
+        for n in names:
+            try:
+                vals.append(str(get(n)))
+            except (KeyError, TypeError, IndexError):
+                vals.append("-")
+        return f"| {label} | " + " | ".join(vals) + " |"
+
+    lines += [
+        row("prompts", lambda n: sets[n]["prompts"]),
+        row("pooled tau", lambda n: sets[n]["pooled_tau"]),
+        row("median tau (whole block)", lambda n: f"{sets[n]['median_tau']} ({sets[n]['median_tau_full_block']})"),
+        row("median speed-up", lambda n: f"{sets[n]['median_speedup']}x"),
+        row("plain -> DFlash tok/s", lambda n: f"{sets[n]['median_ar_tok_s']} -> {sets[n]['median_dflash_tok_s']}"),
+        row("identical to plain greedy", lambda n: sets[n]["identical_to_plain"]),
+        row("target tokens outside the draft vocab", lambda n: f"{sets[n]['oov_share']:.1%}"),
+    ]
+    if tf:
+        lines += [
+            "",
+            "Teacher-forced on the target's own answers to the same kinds of prompts: share of positions where the",
+            "target's token is the drafter's top-1/2/4/8 at slots 1, 2, 3, and the share outside the draft vocabulary.",
+            "",
+            "| | " + " | ".join(names) + " |",
+            "|---|" + "---|" * len(names),
+            row("tau_tf (whole block)", lambda n: tf[n]["tau_tf"]),
+        ]
+        for k in range(3):
+            lines.append(
+                row(
+                    f"slot {k + 1}: top-1 / 2 / 4 / 8",
+                    lambda n, k=k: " / ".join(f"{tf[n]['topk_coverage'][f'top{t}'][k]:.0%}" for t in (1, 2, 4, 8)),
+                )
+            )
+        lines.append(row("OOV share", lambda n: f"{tf[n]['oov_share']:.1%}"))
+    return lines
 
 
 def model_card(
     pipe: Any, trainer: Any, evaluation: dict[str, Any] | None, argv: list[str], data_dir: Path | str | None = None
 ) -> str:
-    """Markdown model card: data, steps, hyper-parameters, measured tau and speed, how to reproduce."""
+    """Markdown model card: data, steps, hours, hyper-parameters, measured tau and speed on the
+    in-distribution and OOD sets side by side, and the commands (paths made portable)."""
     s = trainer.state
     d = trainer.drafter
     cfg = d.config
     params = sum(p.numel() for p in d.parameters())
     last = s.history[-1] if s.history else {}
-    recorded = trainer.out_dir / COMMANDS_FILE
+    out = Path(trainer.out_dir)
+    recorded = out / COMMANDS_FILE
     cmds = [c for c in recorded.read_text().splitlines() if c.strip()] if recorded.exists() else []
     cmds = cmds or [_command_line(argv)]
+    cmds = [" ".join(shlex.quote(_portable_arg(a, out)) for a in shlex.split(c)) for c in cmds]
+    ckpt_cfg = out / "checkpoint" / "config.json"  # the record fit() wrote (init, draft vocabulary)
+    training = json.loads(ckpt_cfg.read_text()).get("dflash_training") if ckpt_cfg.exists() else None
+    training = training or cfg.raw.get("dflash_training") or {}
+    init = training.get("init") or {"kind": "random"}
+    vocab = training.get("draft_vocab") or {}
+    hp = dict(trainer.cfg.__dict__)
+    soft = hp.get("distill") == "soft"
     lines = [
-        f"# DFlash drafter for {pipe.pair.target_name}",
+        f"# DFlash drafter for {_portable_arg(str(pipe.pair.target_name), out)}",
         "",
         "Trained with `dflash train` (frozen target embedding and head, features of the tapped target layers,",
         "random anchors, block-sparse attention, position-decayed cross-entropy, AdamW + cosine).",
@@ -297,26 +573,42 @@ def model_card(
         f"({cfg.num_key_value_heads} KV), MLP {cfg.intermediate_size}; {params / 1e6:.2f}M trainable parameters",
         f"- block size {d.dflash.block_size}, mask token id {d.dflash.mask_token_id}, "
         f"target layers {list(d.dflash.target_layer_ids)}",
-        f"- draft vocabulary: {d.draft_vocab_ids.numel() if d.draft_vocab_ids is not None else 'full'} token ids",
+        f"- draft vocabulary: {d.draft_vocab_ids.numel() if d.draft_vocab_ids is not None else 'full'} token ids"
+        + (f" ({vocab['rule']}; held-out OOV share {vocab['oov_share']:.2%})" if "rule" in vocab else ""),
+        f"- initialisation: {init.get('kind', 'random')}"
+        + (
+            f" (target layers {init['report']['source_layers']}; {len(init['report']['copied'])} tensors copied, "
+            f"{len(init['report']['pruned'])} MLP pruned, {len(init['report']['skipped'])} skipped)"
+            if init.get("report")
+            else ""
+        ),
         "",
         "## Data",
-        "The target's own greedy answers (chat template, thinking off) to coding prompts built offline from the",
-        "Python standard library (function/class docstrings as requests, and raw function headers to complete)",
-        "plus everyday programming tasks in ten languages; the hidden states of the tapped layers were captured",
-        "while the answers were generated. Labels are therefore exactly the target's greedy choices.",
+        "The target's own greedy answers (chat template, thinking off) to coding prompts built offline",
+        "(`runtime/train/generator.py`: code edits, explanations, multi-turn follow-ups, raw completion of real",
+        "source files, stdlib docstring requests and everyday tasks in every language of the task list, with every",
+        "evaluation prompt removed); the hidden states of the tapped layers were captured while the answers were",
+        "generated. Labels are exactly the target's greedy choices"
+        + ("; the soft term distils its top-k distribution." if soft else "."),
         *_dataset_lines(data_dir),
         "",
         "## Training",
-        f"- steps: {s.step} over {s.segments} schedule segment(s), {s.elapsed / 60:.1f} min of training",
-        f"- hyper-parameters: {json.dumps({k: v for k, v in trainer.cfg.__dict__.items()})}",
+        f"- steps: {s.step} over {s.segments} schedule segment(s), {s.elapsed / 3600:.2f} h of training",
+        f"- labels: {'soft (top-k distribution, weight ' + str(hp.get('soft_weight')) + ') + hard' if soft else 'hard (greedy tokens)'}",
+        f"- hyper-parameters: {json.dumps(hp)}",
         f"- last validation (teacher-forced, held-out shard): {json.dumps(last)}",
+        "- held-out evaluation during training: `eval.jsonl` in the run folder (in-distribution and OOD)",
         "",
         "## Measured",
     ]
     if evaluation:
-        lines += [
+        side = _side_by_side(pipe, evaluation)
+        lines += side or [
             f"- held-out prompts: {evaluation['prompts']}, device {pipe.device}, dtype {str(pipe.dtype).removeprefix('torch.')}",
-            f"- median tau at the runtime's verify length: {evaluation['median_tau']} "
+        ]
+        lines += [
+            "",
+            f"- all prompts pooled: median tau at the runtime's verify length: {evaluation['median_tau']} "
             f"(whole block: {evaluation['median_tau_full_block']})",
             f"- median speed-up over plain decoding: {evaluation['median_speedup']}x "
             f"({evaluation['median_ar_tok_s']} -> {evaluation['median_dflash_tok_s']} tok/s)",
@@ -328,11 +620,12 @@ def model_card(
     lines += [
         "",
         "## Reproduce or continue",
-        "The commands that produced this run, in order (a `--resume` continues the checkpoint before it):",
+        "The commands that produced this run, in order (a `--resume` continues the checkpoint before it;",
+        "absolute paths are shown relative to the run folder's parent):",
         "```",
         *cmds,
         "# continue from the last checkpoint with a new schedule segment:",
-        f"dflash train --out {shlex.quote(str(trainer.out_dir))} --resume --extend --time-budget 1h",
+        f"dflash train --out {shlex.quote(_portable_arg(str(out.resolve()), out))} --resume --extend --time-budget 1h",
         "```",
         "",
     ]

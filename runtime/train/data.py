@@ -8,6 +8,12 @@ generating the answers and extracting the features is one pass. Each batch becom
     features   bf16  [N, n*D]   outputs of the tapped target layers at every position
     offsets    int64 [S + 1]    sequence boundaries in ``tokens``
     prompt_len int32 [S]        prompt length of each sequence (anchors come from the answer)
+    topk_ids   int32 [A, k]     (optional) the target's k most likely tokens at every answer position
+    topk_logp  fp16  [A, k]     (optional) their log-probabilities (full-vocabulary log-softmax)
+
+A = answer tokens of the shard, in sequence order (row r of sequence j is answer token r, i.e.
+token ``prompt_len[j] + r`` of that sequence). The top-k rows come from the very logits whose argmax
+chose the answer token, so distilling from them costs nothing extra at generation time.
 
 Because answers are the target's greedy choices, the next token IS the target's prediction: the
 drafter learns exactly what the target will verify. Shards are written atomically; an interrupted
@@ -39,18 +45,28 @@ class Shard:
     offsets: torch.Tensor
     prompt_len: torch.Tensor
     features: Any  # safetensors slice handle: features[a:b] -> tensor
+    topk_ids: torch.Tensor | None = None  # [A, k] int32
+    topk_logp: torch.Tensor | None = None  # [A, k] float16
+    sources: tuple[str, ...] = ()
 
     @property
     def num_sequences(self) -> int:
         """Sequences in the shard."""
         return int(self.prompt_len.numel())
 
+    def answer_start(self, j: int) -> int:
+        """Row of sequence ``j``'s first answer token in ``topk_ids`` / ``topk_logp``."""
+        lengths = (self.offsets[1:] - self.offsets[:-1]) - self.prompt_len
+        return int(lengths[:j].sum())
 
-def encode_prompt(tokenizer: Any, text: str, chat: bool) -> list[int]:
-    """Token ids for a training prompt (chat template with thinking off, or raw text)."""
-    if chat:
+
+def encode_prompt(tokenizer: Any, text: str, chat: bool, messages: Sequence[dict[str, str]] | None = None) -> list[int]:
+    """Token ids for a training prompt (chat template with thinking off, or raw text); ``messages``
+    is a whole conversation (multi-turn prompts), else one user turn with ``text``."""
+    if chat or messages:
+        turns = list(messages) if messages else [{"role": "user", "content": text}]
         rendered = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True, enable_thinking=False
+            turns, tokenize=False, add_generation_prompt=True, enable_thinking=False
         )
         return list(tokenizer.encode(rendered, add_special_tokens=False))
     return list(tokenizer.encode(text, add_special_tokens=True))
@@ -63,7 +79,8 @@ def generate_batch(
     max_new_tokens: int,
     stop_ids: Sequence[int],
     pad_id: int,
-) -> list[tuple[list[int], torch.Tensor, int]]:
+    topk: int = 0,
+) -> list[tuple[list[int], torch.Tensor, int, tuple[torch.Tensor, torch.Tensor] | None]]:
     """Greedy-generate answers for a batch and capture tapped features at every position.
 
     Args:
@@ -72,9 +89,12 @@ def generate_batch(
         max_new_tokens: answer length cap.
         stop_ids: EOS ids (kept as the last answer token).
         pad_id: id used for left padding.
+        topk: also keep the k most likely tokens and their log-probabilities at every answer
+            position (0: none).
 
     Returns:
-        Per sequence: (prompt + answer ids, features [T, n*D] bf16 on CPU, prompt length).
+        Per sequence: (prompt + answer ids, features [T, n*D] bf16 on CPU, prompt length,
+        (top-k ids [A, k] int32, log-probs [A, k] float16) or None).
     """
     device = target.device
     b = len(prompts)
@@ -104,12 +124,18 @@ def generate_batch(
     logits = run(ids, mask, pos, 0, 1)
     stop = torch.tensor(list(stop_ids), device=device)
     answers = torch.zeros((b, max_new_tokens), dtype=torch.long, device=device)
+    k = min(int(topk), int(logits.shape[-1]))
+    top_ids = torch.zeros((b, max_new_tokens, max(k, 1)), dtype=torch.int32)
+    top_logp = torch.zeros((b, max_new_tokens, max(k, 1)), dtype=torch.float16)
     lengths = torch.full((b,), max_new_tokens, dtype=torch.long, device=device)
     done = torch.zeros(b, dtype=torch.bool, device=device)
     last_pos = pos[:, -1]
     for step in range(max_new_tokens):
         nxt = logits.argmax(-1)
         answers[:, step] = nxt
+        if k:  # the distribution that chose answer token `step` (float32 log-softmax over the full vocab)
+            lp, ix = logits.float().log_softmax(-1).topk(k, dim=-1)
+            top_ids[:, step], top_logp[:, step] = ix.to("cpu", torch.int32), lp.to("cpu", torch.float16)
         hit = torch.isin(nxt, stop) & ~done
         lengths[hit] = step + 1
         done |= hit
@@ -123,21 +149,33 @@ def generate_batch(
         n = int(lengths[i])
         seq = list(p) + answers[i, :n].tolist()
         f = torch.cat([feats[i, p_max - len(p) : p_max], feats[i, p_max : p_max + n]], dim=0)
-        out.append((seq, f, len(p)))
+        out.append((seq, f, len(p), (top_ids[i, :n].clone(), top_logp[i, :n].clone()) if k else None))
     return out
 
 
-def write_shard(path: Path, sequences: Sequence[tuple[list[int], torch.Tensor, int]], meta: dict[str, Any]) -> int:
-    """Write one shard atomically; return its token count."""
+def write_shard(path: Path, sequences: Sequence[tuple[Any, ...]], meta: dict[str, Any]) -> int:
+    """Write one shard atomically; return its token count.
+
+    Args:
+        path: the shard file.
+        sequences: (ids, features, prompt length[, (top-k ids, top-k log-probs) or None]) tuples
+            as ``generate_batch`` returns them.
+        meta: safetensors metadata (JSON-encoded per key).
+    """
     from safetensors.torch import save_file
 
-    tokens = torch.tensor([t for seq, _, _ in sequences for t in seq], dtype=torch.int32)
-    feats = torch.cat([f for _, f, _ in sequences], dim=0).contiguous()
-    offsets = torch.tensor([0] + list(_cumsum([len(s) for s, _, _ in sequences])), dtype=torch.int64)
-    plen = torch.tensor([p for _, _, p in sequences], dtype=torch.int32)
+    tokens = torch.tensor([t for s in sequences for t in s[0]], dtype=torch.int32)
+    feats = torch.cat([s[1] for s in sequences], dim=0).contiguous()
+    offsets = torch.tensor([0] + list(_cumsum([len(s[0]) for s in sequences])), dtype=torch.int64)
+    plen = torch.tensor([s[2] for s in sequences], dtype=torch.int32)
+    tensors = {"tokens": tokens, "features": feats, "offsets": offsets, "prompt_len": plen}
+    tops = [s[3] if len(s) > 3 else None for s in sequences]
+    if tops and all(t is not None for t in tops):
+        tensors["topk_ids"] = torch.cat([t[0] for t in tops if t is not None]).to(torch.int32).contiguous()
+        tensors["topk_logp"] = torch.cat([t[1] for t in tops if t is not None]).to(torch.float16).contiguous()
     tmp = path.with_suffix(".tmp")
     save_file(
-        {"tokens": tokens, "features": feats, "offsets": offsets, "prompt_len": plen},
+        tensors,
         str(tmp),
         metadata={k: json.dumps(v) for k, v in meta.items()},
     )
@@ -166,6 +204,7 @@ def generate_dataset(
     stop_ids: Sequence[int] = (),
     progress: Progress | None = None,
     extra_meta: dict[str, Any] | None = None,
+    topk: int = 0,
 ) -> list[Path]:
     """Generate (or resume generating) the dataset shards for ``prompts``.
 
@@ -181,15 +220,18 @@ def generate_dataset(
         stop_ids: EOS ids.
         progress: callback with a dict of counters after each shard.
         extra_meta: more keys for ``dataset.json``.
+        topk: keep the target's k most likely tokens per answer position (0: none).
 
     Returns:
         All shard paths, in order.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     target.set_taps(taps)
-    encoded = [(encode_prompt(tokenizer, p.text, p.chat), p) for p in prompts]
+    encoded = [(encode_prompt(tokenizer, p.text, p.chat, getattr(p, "messages", None)), p) for p in prompts]
     encoded = [(ids, p) for ids, p in encoded if 0 < len(ids) <= max_prompt_tokens]
-    meta = {"taps": list(taps), "hidden_size": target.hidden_size, "max_new_tokens": max_new_tokens}
+    meta: dict[str, Any] = {"taps": list(taps), "hidden_size": target.hidden_size, "max_new_tokens": max_new_tokens}
+    if topk:
+        meta["topk"] = int(topk)
     (out_dir / "dataset.json").write_text(
         json.dumps({**meta, **(extra_meta or {}), "num_prompts": len(encoded)}, indent=2)
     )
@@ -203,7 +245,7 @@ def generate_dataset(
         if path.exists():
             continue
         chunk = encoded[start : start + batch_size]
-        results = generate_batch(target, [ids for ids, _ in chunk], max_new_tokens, stop_ids, pad)
+        results = generate_batch(target, [ids for ids, _ in chunk], max_new_tokens, stop_ids, pad, topk=topk)
         n = write_shard(path, results, {**meta, "sources": [p.source for _, p in chunk]})
         total_tokens += n
         if progress:
@@ -213,7 +255,7 @@ def generate_dataset(
                     "shard": bi,
                     "shards": -(-len(encoded) // batch_size),
                     "tokens": total_tokens,
-                    "answer_tokens": sum(len(s) - pl for s, _, pl in results),
+                    "answer_tokens": sum(len(r[0]) - r[2] for r in results),
                     "seconds": elapsed,
                 }
             )
@@ -225,19 +267,26 @@ def load_shard(path: Path) -> Shard:
     from safetensors import safe_open
 
     handle = safe_open(str(path), framework="pt")
+    keys = set(handle.keys())
+    sources = json.loads((handle.metadata() or {}).get("sources", "[]"))
     return Shard(
         path=path,
         tokens=handle.get_tensor("tokens").long(),
         offsets=handle.get_tensor("offsets"),
         prompt_len=handle.get_tensor("prompt_len").long(),
         features=handle.get_slice("features"),
+        topk_ids=handle.get_tensor("topk_ids") if "topk_ids" in keys else None,
+        topk_logp=handle.get_tensor("topk_logp") if "topk_logp" in keys else None,
+        sources=tuple(str(x) for x in sources),
     )
 
 
-def dataset_summary(data_dir: Path) -> dict[str, int]:
-    """Shards, sequences, prompt and answer tokens of a dataset folder (read from the shards'
-    small tensors; the features stay on disk)."""
-    summary = {"shards": 0, "sequences": 0, "prompt_tokens": 0, "answer_tokens": 0}
+def dataset_summary(data_dir: Path) -> dict[str, Any]:
+    """Shards, sequences, prompt and answer tokens of a dataset folder, and its mix: sequences and
+    answer tokens per prompt kind (read from the shards' small tensors and metadata; the features
+    stay on disk). ``topk`` is the k of the stored soft labels (0: hard labels only)."""
+    summary: dict[str, Any] = {"shards": 0, "sequences": 0, "prompt_tokens": 0, "answer_tokens": 0, "topk": None}
+    mix: dict[str, dict[str, int]] = {}
     for path in sorted(Path(data_dir).glob("shard-*.safetensors")):
         shard = load_shard(path)
         prompt = int(shard.prompt_len.sum())
@@ -245,4 +294,14 @@ def dataset_summary(data_dir: Path) -> dict[str, int]:
         summary["sequences"] += shard.num_sequences
         summary["prompt_tokens"] += prompt
         summary["answer_tokens"] += int(shard.tokens.numel()) - prompt
+        k = int(shard.topk_ids.shape[1]) if shard.topk_ids is not None else 0
+        summary["topk"] = k if summary["topk"] in (None, k) else min(summary["topk"], k)
+        lengths = ((shard.offsets[1:] - shard.offsets[:-1]) - shard.prompt_len).tolist()
+        for j, n in enumerate(lengths):
+            kind = shard.sources[j].split(":", 1)[0] if j < len(shard.sources) else "unknown"
+            row = mix.setdefault(kind, {"sequences": 0, "answer_tokens": 0})
+            row["sequences"] += 1
+            row["answer_tokens"] += int(n)
+    summary["topk"] = summary["topk"] or 0
+    summary["mix"] = dict(sorted(mix.items(), key=lambda kv: -kv[1]["sequences"]))
     return summary

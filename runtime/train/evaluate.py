@@ -29,6 +29,7 @@ class PromptEval:
     full: GenerationStats | None
     same_output: bool
     first_divergence: int | None
+    oov_tokens: int = 0  # plain-decoding tokens outside the drafter's draft vocabulary
 
     @property
     def speedup(self) -> float:
@@ -84,10 +85,23 @@ class EvalResult:
             prev = c
         return out
 
+    @property
+    def pooled_tau(self) -> float:
+        """Tokens committed per verify step over all prompts together (chosen verify length)."""
+        steps = sum(p.auto.verify_steps for p in self.prompts)
+        return (sum(p.auto.accepted_tokens for p in self.prompts) + steps) / max(steps, 1)
+
+    @property
+    def oov_share(self) -> float:
+        """Share of the target's (plain decoding) tokens outside the draft vocabulary."""
+        return sum(p.oov_tokens for p in self.prompts) / max(sum(p.ar.generated_tokens for p in self.prompts), 1)
+
     def summary(self) -> dict[str, Any]:
         """JSON-friendly summary."""
         return {
             "prompts": len(self.prompts),
+            "pooled_tau": round(self.pooled_tau, 3),
+            "oov_share": round(self.oov_share, 4),
             "median_tau": round(self.median_tau, 3),
             "median_tau_full_block": round(self.median_tau_full, 3),
             "median_speedup": round(self.median_speedup, 3),
@@ -114,6 +128,25 @@ def _run(
     return out, stats
 
 
+def encode(pipeline: Any, prompt: Any) -> list[int]:
+    """Token ids of a prompt: ``ids`` as given, a ``messages`` conversation, or ``text``/``chat``."""
+    if getattr(prompt, "ids", None) is not None:
+        return list(prompt.ids)
+    if getattr(prompt, "messages", None):
+        return pipeline.encode_messages(list(prompt.messages))
+    return pipeline.encode(prompt.text, chat=prompt.chat)
+
+
+@dataclass(frozen=True)
+class IdPrompt:
+    """A prompt given as token ids (e.g. a held-out shard's prompts)."""
+
+    ids: tuple[int, ...]
+    chat: bool
+    source: str
+    text: str = ""
+
+
 def evaluate(
     pipeline: Any,
     prompts: Sequence[Any],
@@ -125,7 +158,7 @@ def evaluate(
 
     Args:
         pipeline: a loaded pipeline with a drafter.
-        prompts: held-out prompts.
+        prompts: held-out prompts (``encode`` says what they may be).
         max_new_tokens: tokens per generation.
         full_block: also run DFlash verifying the whole block (per-slot acceptance).
         progress: callback for one line per prompt.
@@ -133,19 +166,22 @@ def evaluate(
     params = SamplingParams(max_new_tokens=max_new_tokens)
     ar_opts, auto_opts = DecodeOptions(decoder="ar"), DecodeOptions()
     full_opts = DecodeOptions(verify_length=pipeline.block_size - 1)
-    warm = pipeline.encode(prompts[0].text, chat=prompts[0].chat)
+    vocab = getattr(getattr(pipeline, "drafter", None), "draft_vocab_ids", None)
+    in_vocab = set(vocab.tolist()) if vocab is not None else None
+    warm = encode(pipeline, prompts[0])
     _run(pipeline, warm, SamplingParams(max_new_tokens=8), auto_opts)  # untimed warm-up
     _run(pipeline, warm, SamplingParams(max_new_tokens=8), ar_opts)
     results = []
     for i, p in enumerate(prompts):
-        ids = pipeline.encode(p.text, chat=p.chat)
+        ids = encode(pipeline, p)
         ar_ids, ar = _run(pipeline, ids, params, ar_opts)
         auto_ids, auto = _run(pipeline, ids, params, auto_opts)
         full = _run(pipeline, ids, params, full_opts)[1] if full_block else None
         div = next((j for j, (a, b) in enumerate(zip(ar_ids, auto_ids, strict=False)) if a != b), None)
         if div is None and len(ar_ids) != len(auto_ids):
             div = min(len(ar_ids), len(auto_ids))
-        results.append(PromptEval(p.source, ar, auto, full, div is None, div))
+        oov = sum(t not in in_vocab for t in ar_ids) if in_vocab is not None else 0
+        results.append(PromptEval(p.source, ar, auto, full, div is None, div, oov))
         if progress:
             r = results[-1]
             progress(

@@ -57,3 +57,15 @@ HELDOUT: list[TrainPrompt] = [
     TrainPrompt("Write a Python function that flattens an arbitrarily nested list.", True, "heldout"),
     TrainPrompt("Write a Go function that reverses a slice of integers in place.", True, "heldout"),
 ]
+
+
+def ood_prompts() -> list[TrainPrompt]:
+    """The out-of-distribution set: hand-written chat coding requests of kinds the v1 generator never
+    made (code edits, tests, bug fixes, Go/Rust/SQL/bash/JS, explanations, multi-turn), shipped as
+    ``runtime/assets/prompts/ood-chat.jsonl`` (also ``dflash bench --dataset ood-chat``)."""
+    from runtime.bench.datasets import load_dataset
+
+    return [
+        TrainPrompt(p.text, True, f"ood:{p.id}", tuple(p.messages) if p.messages else None)
+        for p in load_dataset("ood-chat").prompts
+    ]

@@ -106,3 +106,104 @@ def init_drafter(
         with torch.no_grad():
             model.norm.weight.copy_(target_final_norm.float())
     return model
+
+
+def target_has_attention_bias(target_model: Any) -> bool:
+    """Whether the target's attention q/k/v projections carry biases (Qwen2 does, Qwen3 does not)."""
+    from runtime.engine.target import find_decoder_layers
+
+    attn = getattr(find_decoder_layers(target_model)[-1], "self_attn", None)
+    q = getattr(attn, "q_proj", None)
+    return getattr(q, "bias", None) is not None
+
+
+def _mlp_neurons(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, keep: int) -> torch.Tensor:
+    """The ``keep`` intermediate neurons of a SwiGLU MLP with the largest weight-norm product
+    (|gate row| * |up row| * |down column|), in their original order."""
+    score = gate.float().norm(dim=1) * up.float().norm(dim=1) * down.float().norm(dim=0)
+    return torch.topk(score, keep).indices.sort().values
+
+
+@torch.no_grad()
+def init_from_target(
+    drafter: DFlashDraftModel, target_model: Any, layer_ids: Sequence[int] | None = None
+) -> dict[str, Any]:
+    """Copy the target's last decoder layer(s) into the drafter's layers where shapes allow.
+
+    Drafter layer i takes target layer ``layer_ids[i]`` (default: the last L_d layers, in order).
+    Per tensor:
+
+    - q/k/v/o projections, MLP, input and post-attention norms: copied when the shapes match;
+    - MLP narrower than the target's: the neurons with the largest weight-norm product are kept
+      (rows of gate/up, columns of down), so the copy is a pruned version of the target's MLP;
+    - q/k/v biases (Qwen2): copied when the drafter has ``attention_bias`` (``fit`` sets it for such
+      targets), else dropped (reported);
+    - q_norm/k_norm: copied from a Qwen3-style target; a Qwen2 target has none, so they stay at 1:
+      per-head RMS normalisation of q and k is the one thing the drafter adds, it keeps the
+      directions the target learned but not their scale;
+    - anything else of a different shape stays at its random/zero initialisation (reported).
+
+    Args:
+        drafter: a freshly initialised drafter (same hidden size as the target).
+        target_model: the transformers model of the target.
+        layer_ids: target layers to copy from, one per drafter layer.
+
+    Returns:
+        {"source_layers": [...], "copied": [...], "pruned": [...], "skipped": [...], "notes": [...]}.
+    """
+    from runtime.engine.target import find_decoder_layers
+
+    src_layers = find_decoder_layers(target_model)
+    n_d = len(drafter.layers)
+    ids = list(layer_ids) if layer_ids is not None else list(range(len(src_layers) - n_d, len(src_layers)))
+    report: dict[str, Any] = {"source_layers": ids, "copied": [], "pruned": [], "skipped": [], "notes": []}
+    for i, (dst, li) in enumerate(zip(drafter.layers, ids, strict=True)):
+        src = src_layers[li]
+        pairs = {
+            "self_attn.q_proj": src.self_attn.q_proj,
+            "self_attn.k_proj": src.self_attn.k_proj,
+            "self_attn.v_proj": src.self_attn.v_proj,
+            "self_attn.o_proj": src.self_attn.o_proj,
+            "input_layernorm": src.input_layernorm,
+            "post_attention_layernorm": src.post_attention_layernorm,
+        }
+        for qk in ("q_norm", "k_norm"):
+            if hasattr(src.self_attn, qk):
+                pairs[f"self_attn.{qk}"] = getattr(src.self_attn, qk)
+            else:
+                report["notes"].append(f"layers.{i}.self_attn.{qk}: target has none; kept at 1")
+        for name, mod in pairs.items():
+            d_mod = dst.get_submodule(name)
+            for pname in ("weight", "bias"):
+                sp = getattr(mod, pname, None)
+                dp = getattr(d_mod, pname, None)
+                key = f"layers.{i}.{name}.{pname}"
+                if sp is None:
+                    continue
+                if dp is None:
+                    report["skipped"].append(f"{key} (the drafter has no {pname}; target's dropped)")
+                elif dp.shape == sp.shape:
+                    dp.copy_(sp.detach().to(dp.dtype))
+                    report["copied"].append(key)
+                else:
+                    report["skipped"].append(f"{key} (shape {tuple(sp.shape)} -> {tuple(dp.shape)})")
+        mlp, smlp = dst.mlp, src.mlp
+        g, u, dn = smlp.gate_proj.weight, smlp.up_proj.weight, smlp.down_proj.weight
+        inter = mlp.gate_proj.weight.shape[0]
+        key = f"layers.{i}.mlp"
+        if g.shape[1] != mlp.gate_proj.weight.shape[1]:
+            report["skipped"].append(f"{key} (hidden size {g.shape[1]} -> {mlp.gate_proj.weight.shape[1]})")
+            continue
+        if inter == g.shape[0]:
+            keep = torch.arange(inter)
+            report["copied"] += [f"{key}.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
+        elif inter < g.shape[0]:
+            keep = _mlp_neurons(g, u, dn, inter)
+            report["pruned"].append(f"{key}: {inter} of {g.shape[0]} neurons (largest weight-norm product)")
+        else:
+            report["skipped"].append(f"{key} (intermediate {g.shape[0]} -> {inter}: drafter wider than target)")
+            continue
+        mlp.gate_proj.weight.copy_(g.detach()[keep].to(mlp.gate_proj.weight.dtype))
+        mlp.up_proj.weight.copy_(u.detach()[keep].to(mlp.up_proj.weight.dtype))
+        mlp.down_proj.weight.copy_(dn.detach()[:, keep].to(mlp.down_proj.weight.dtype))
+    return report

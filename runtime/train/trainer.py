@@ -6,6 +6,12 @@ One step packs ``seqs_per_step`` sequences; each contributes ``anchors`` blocks 
 slots. A block query sees the context features strictly before its anchor plus every slot of its
 own block, nothing of other blocks. Slot k (1..b-1) is trained to predict the token at anchor + k,
 weighted exp(-(k-1)/gamma).
+
+Distillation (``distill``): "hard" trains on the target's greedy token only; "soft" mixes in a soft
+cross-entropy against the target's own distribution at that position, restricted to the top-k
+tokens the dataset stored (renormalised over those inside the draft vocabulary):
+loss = (1 - soft_weight) * CE(hard label) + soft_weight * CE(top-k target distribution).
+Soft CE and KL differ by the target's entropy, a constant, so they have the same gradient.
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ class TrainConfig:
         checkpoint_every: seconds between checkpoints.
         seed: sampling seed.
         bf16: autocast matmuls to bfloat16.
+        distill: "hard" (greedy labels only) or "soft" (plus the stored top-k distribution).
+        soft_weight: share of the soft term in the loss when ``distill`` is "soft".
     """
 
     seqs_per_step: int = 2
@@ -68,8 +76,14 @@ class TrainConfig:
     checkpoint_every: float = 300.0
     seed: int = 0
     bf16: bool = True
+    distill: str = "hard"
+    soft_weight: float = 0.5
 
     def __post_init__(self) -> None:
+        if self.distill not in ("hard", "soft"):
+            raise ConfigError(f"distill must be 'hard' or 'soft', got {self.distill!r}")
+        if not 0.0 <= self.soft_weight <= 1.0:
+            raise ConfigError(f"soft_weight must be in [0, 1], got {self.soft_weight}")
         if self.steps is None and self.time_budget is None:
             raise ConfigError("give a number of steps or a time budget for training")
         if self.seqs_per_step < 1 or self.anchors < 1:
@@ -135,6 +149,30 @@ class ShardDataset:
             feats = feats[:, self.columns]
         return s.tokens[a:b], feats, int(s.prompt_len[j])
 
+    @property
+    def has_topk(self) -> bool:
+        """Every shard stores the target's top-k distribution (soft labels)."""
+        return bool(self.shards) and all(s.topk_ids is not None for s in self.shards)
+
+    def get_topk(self, i: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Top-k ids [T, k] (-1 at prompt positions) and log-probs [T, k] of sequence ``i``, row p
+        being the target's distribution for token p; None when its shard has no soft labels."""
+        si, j = self.index[i]
+        s = self.shards[si]
+        if s.topk_ids is None or s.topk_logp is None:
+            return None
+        a, b = int(s.offsets[j]), int(s.offsets[j + 1])
+        t = min(b - a, max_len)
+        plen = int(s.prompt_len[j])
+        k = s.topk_ids.shape[1]
+        ids = torch.full((t, k), -1, dtype=torch.long)
+        logp = torch.zeros((t, k), dtype=torch.float32)
+        r0 = s.answer_start(j)
+        n = max(t - plen, 0)
+        ids[plen:t] = s.topk_ids[r0 : r0 + n].long()
+        logp[plen:t] = s.topk_logp[r0 : r0 + n].float()
+        return ids, logp
+
 
 def build_batch(
     seqs: Sequence[tuple[torch.Tensor, torch.Tensor, int]],
@@ -142,17 +180,25 @@ def build_batch(
     block_size: int,
     mask_id: int,
     rng: random.Random,
+    soft: Sequence[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
 ) -> dict[str, torch.Tensor] | None:
     """Pack sequences into one block-sparse training batch.
 
+    Args:
+        soft: per sequence, its top-k ids and log-probs (``ShardDataset.get_topk``); when given
+            for every sequence, the batch also carries ``soft_ids`` / ``soft_logp``.
+
     Returns:
         ``features`` [B, C, n*D], ``block_ids`` [B, A*b], ``labels`` [B, A, b-1] (-100 = ignore),
-        ``positions`` [B, C + A*b], ``mask`` [B, 1, A*b, C + A*b] (True = may attend); None when
-        no sequence has an answer token to anchor on.
+        ``positions`` [B, C + A*b], ``mask`` [B, 1, A*b, C + A*b] (True = may attend), and with
+        ``soft``: ``soft_ids`` [B, A, b-1, k] (-1 = none) and ``soft_logp`` [B, A, b-1, k]; None
+        when no sequence has an answer token to anchor on.
     """
     b = block_size
     picked = []
-    for tokens, feats, plen in seqs:
+    use_soft = soft is not None and all(x is not None for x in soft)
+    soft_picked = []
+    for si, (tokens, feats, plen) in enumerate(seqs):
         t = tokens.numel()
         lo = max(plen, 1)
         cands = list(range(lo, t - 1))
@@ -160,6 +206,8 @@ def build_batch(
             continue
         chosen = sorted(rng.sample(cands, min(anchors, len(cands))))
         picked.append((tokens, feats, chosen))
+        if use_soft:
+            soft_picked.append(soft[si])  # type: ignore[index]
     if not picked:
         return None
     n, a_max = len(picked), max(len(c) for _, _, c in picked)
@@ -173,6 +221,10 @@ def build_batch(
     mask = torch.zeros((n, 1, q, c_len + q), dtype=torch.bool)
     positions[:, :c_len] = torch.arange(c_len)
     ks = torch.arange(1, b)
+    if use_soft:
+        k_top = soft_picked[0][0].shape[1]
+        soft_ids = torch.full((n, a_max, b - 1, k_top), -1, dtype=torch.long)
+        soft_logp = torch.zeros((n, a_max, b - 1, k_top), dtype=torch.float32)
     for i, (tokens, feats, chosen) in enumerate(picked):
         t = tokens.numel()
         features[i, : t - 1] = feats[: t - 1]
@@ -187,7 +239,14 @@ def build_batch(
             mask[i, 0, qs, :a] = True  # context strictly before the anchor
             valid = (a + ks) < t
             labels[i, j, valid] = tokens[(a + ks)[valid]]
-    return {"features": features, "block_ids": block_ids, "labels": labels, "positions": positions, "mask": mask}
+            if use_soft:
+                ids_i, logp_i = soft_picked[i]
+                soft_ids[i, j, valid] = ids_i[(a + ks)[valid]]
+                soft_logp[i, j, valid] = logp_i[(a + ks)[valid]]
+    out = {"features": features, "block_ids": block_ids, "labels": labels, "positions": positions, "mask": mask}
+    if use_soft:
+        out["soft_ids"], out["soft_logp"] = soft_ids, soft_logp
+    return out
 
 
 class DraftVocab:
@@ -275,7 +334,15 @@ class Trainer:
         self._last_acc: list[float] = []
         self.state = TrainState()
         self.rng = random.Random(config.seed)
-        self._val_batches: list[dict[str, torch.Tensor]] | None = None
+        self._val_batches: dict[str, list[dict[str, torch.Tensor]]] = {}
+        self.extra_evals: dict[str, ShardDataset] = {}  # more held-out sets, validated with ``val``
+        self.on_eval: Callable[[dict[str, Any]], None] | None = None
+        self._soft = config.distill == "soft"
+        if self._soft and not train.has_topk:
+            raise ConfigError(
+                "--distill soft needs a dataset with the target's top-k log-probabilities (built with --topk K); "
+                "this dataset has hard labels only: build a new one (--data DIR) or use --distill hard"
+            )
 
     # -- schedule ---------------------------------------------------------------------------
     def progress(self) -> float:
@@ -310,10 +377,15 @@ class Trainer:
             h = h.view(n, a, self.block, -1)[:, :, 1:]  # slots 1..b-1
             logits = F.linear(h.reshape(-1, h.shape[-1]), self.head)  # 2-D: no broadcast copies
         target = self.vocab.map(labels.cpu()).to(dev).view(-1)
-        ce = F.cross_entropy(logits.float(), target, ignore_index=-100, reduction="none")
+        logits = logits.float()
+        ce = F.cross_entropy(logits, target, ignore_index=-100, reduction="none")
         w = self.weights.repeat(n * a)
         valid = (target >= 0).float()
-        loss = (ce * w * valid).sum() / (w * valid).sum().clamp(min=1e-6)
+        hard = (ce * w * valid).sum() / (w * valid).sum().clamp(min=1e-6)
+        soft, kl = self._soft_ce(logits, batch, w) if "soft_ids" in batch else (None, None)
+        loss = hard
+        if self.cfg.distill == "soft" and soft is not None:
+            loss = (1.0 - self.cfg.soft_weight) * hard + self.cfg.soft_weight * soft
         if not metrics:
             return loss, {}
         with torch.no_grad():
@@ -321,12 +393,75 @@ class Trainer:
             full_pred = self.drafter_ids(pred).view(n, a, self.block - 1)
             correct = (full_pred == labels) & (labels >= 0)
             present = labels >= 0
-        return loss, {"correct": correct.cpu(), "present": present.cpu()}
+            # rank of the target's token among the draft logits (a huge rank when outside the draft vocab)
+            lab_logit = logits.gather(1, target.clamp(min=0)[:, None])
+            rank = (logits > lab_logit).sum(-1)
+            rank = torch.where(target >= 0, rank, torch.full_like(rank, 1 << 30)).view(n, a, self.block - 1)
+            oov = (target.view(n, a, self.block - 1) < 0) & present
+        out = {"correct": correct.cpu(), "present": present.cpu(), "rank": rank.cpu(), "oov": oov.cpu()}
+        out["hard"] = float(hard.detach())
+        if soft is not None and kl is not None:
+            out["soft"], out["kl"] = float(soft.detach()), float(kl.detach())
+        return loss, out
+
+    def _soft_ce(
+        self, logits: torch.Tensor, batch: dict[str, torch.Tensor], w: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Slot-weighted soft cross-entropy against the stored top-k target distribution, and the
+        matching KL divergence (soft CE minus the target distribution's entropy: 0 when matched).
+
+        The target's probabilities are renormalised over the top-k ids inside the draft vocabulary;
+        slots with none of them inside are skipped.
+        """
+        ids = batch["soft_ids"]  # [n, A, b-1, k]
+        k = ids.shape[-1]
+        idx = self.vocab.map(ids.clamp(min=0)).view(-1, k)
+        ok = (ids.view(-1, k) >= 0) & (idx >= 0)
+        p = batch["soft_logp"].view(-1, k).exp() * ok
+        mass = p.sum(-1)
+        has = mass > 0
+        if not bool(has.any()):
+            return None, None
+        q = (p / mass.clamp(min=1e-12)[:, None]).to(logits.device)
+        logp = logits.log_softmax(-1).gather(1, idx.clamp(min=0).to(logits.device))
+        per_slot = -(q * logp).sum(-1)
+        entropy = -(q * q.clamp(min=1e-12).log()).sum(-1)
+        wh = w * has.to(logits.device).float()
+        norm = wh.sum().clamp(min=1e-6)
+        ce = (per_slot * wh).sum() / norm
+        return ce, ce - (entropy * wh).sum() / norm
 
     def drafter_ids(self, idx: torch.Tensor) -> torch.Tensor:
         """Draft-head indices -> full-vocab ids."""
         ids = self.drafter.draft_vocab_ids
         return ids.to(idx.device)[idx] if ids is not None else idx
+
+    @staticmethod
+    def coverage_metrics(
+        rank: torch.Tensor, present: torch.Tensor, oov: torch.Tensor, slots: int = 3, tops: Sequence[int] = (1, 2, 4, 8)
+    ) -> dict[str, Any]:
+        """Top-n coverage per slot and the out-of-vocabulary share.
+
+        Args:
+            rank: [.., b-1] rank of the target's token among the drafter's logits (0 = top-1).
+            present: [.., b-1] slots that have a label.
+            oov: [.., b-1] labels outside the draft vocabulary.
+            slots: report slots 1..slots.
+            tops: the n of top-n.
+
+        Returns:
+            ``topk_coverage``: {"top1": [slot 1, slot 2, ...], ...}; ``oov_share``: share of
+            labelled slots whose token the drafter cannot propose at all.
+        """
+        r, pr = rank.reshape(-1, rank.shape[-1]), present.reshape(-1, present.shape[-1])
+        cov = {}
+        for n in tops:
+            hit = (r < n) & pr
+            cov[f"top{n}"] = [
+                round(float(hit[:, k].sum()) / max(int(pr[:, k].sum()), 1), 4) for k in range(min(slots, r.shape[1]))
+            ]
+        share = float(oov.sum()) / max(int(present.sum()), 1)
+        return {"topk_coverage": cov, "oov_share": round(share, 4)}
 
     @staticmethod
     def block_metrics(correct: torch.Tensor, present: torch.Tensor) -> dict[str, Any]:
@@ -346,7 +481,8 @@ class Trainer:
         while batch is None:
             picks = [self.rng.randrange(len(self.train_data)) for _ in range(self.cfg.seqs_per_step)]
             seqs = [self.train_data.get(i, self.cfg.max_len) for i in picks]
-            batch = build_batch(seqs, self.cfg.anchors, self.block, self.mask_id, self.rng)
+            soft = [self.train_data.get_topk(i, self.cfg.max_len) for i in picks] if self._soft else None
+            batch = build_batch(seqs, self.cfg.anchors, self.block, self.mask_id, self.rng, soft)
         lr = self.lr_at(self.progress())
         for g in self.opt.param_groups:
             g["lr"] = lr
@@ -363,7 +499,9 @@ class Trainer:
         if m:
             acc = m["correct"].sum((0, 1)).float() / m["present"].sum((0, 1)).clamp(min=1).float()
             self._last_acc = [round(x, 3) for x in acc[:4].tolist()]
+        extra = {"soft_loss": m["soft"]} if m and "soft" in m else {}
         return {
+            **extra,
             "step": self.state.step,
             "loss": float(loss.detach()),
             "lr": lr,
@@ -375,30 +513,69 @@ class Trainer:
         }
 
     @torch.no_grad()
-    def validate(self, max_seqs: int = 16) -> dict[str, Any]:
-        """Weighted CE, slot accuracies and teacher-forced tau on fixed validation blocks."""
-        if self.val_data is None or len(self.val_data) == 0:
+    def validate(self, max_seqs: int = 16, dataset: ShardDataset | None = None, name: str = "val") -> dict[str, Any]:
+        """Teacher-forced metrics on fixed held-out blocks: ``val_loss`` (slot-weighted hard CE,
+        comparable across --distill modes), ``val_soft`` / ``val_kl`` (soft CE and KL to the target's
+        top-k distribution, when the data has it),
+        slot accuracies, tau_tf, top-1/2/4/8 coverage at slots 1..3 and the OOV share.
+
+        Args:
+            max_seqs: held-out sequences used (the first ones, fixed anchors).
+            dataset: the held-out set (default: the validation shard).
+            name: cache key of its fixed batches.
+        """
+        data = self.val_data if dataset is None else dataset
+        if data is None or len(data) == 0:
             return {}
-        if self._val_batches is None:
+        if name not in self._val_batches:
             rng = random.Random(1234)
-            idx = list(range(min(max_seqs, len(self.val_data))))
-            self._val_batches = []
+            idx = list(range(min(max_seqs, len(data))))
+            batches = []
             for i in range(0, len(idx), 2):
-                seqs = [self.val_data.get(j, self.cfg.max_len) for j in idx[i : i + 2]]
-                b = build_batch(seqs, self.cfg.anchors, self.block, self.mask_id, rng)
+                pick = idx[i : i + 2]
+                seqs = [data.get(j, self.cfg.max_len) for j in pick]
+                soft = [data.get_topk(j, self.cfg.max_len) for j in pick] if data.has_topk else None
+                b = build_batch(seqs, self.cfg.anchors, self.block, self.mask_id, rng, soft)
                 if b is not None:
-                    self._val_batches.append(b)
+                    batches.append(b)
+            self._val_batches[name] = batches
         self.drafter.eval()
-        losses, corrects, presents = [], [], []
-        for b in self._val_batches:
-            loss, m = self._forward(b)
-            losses.append(float(loss))
+        hards, softs, kls, corrects, presents, ranks, oovs = [], [], [], [], [], [], []
+        for b in self._val_batches[name]:
+            _, m = self._forward(b)
+            hards.append(m["hard"])
+            if "soft" in m:
+                softs.append(m["soft"])
+                kls.append(m["kl"])
             corrects.append(m["correct"].flatten(0, 1))
             presents.append(m["present"].flatten(0, 1))
+            ranks.append(m["rank"].flatten(0, 1))
+            oovs.append(m["oov"].flatten(0, 1))
         self.drafter.train()
-        out = self.block_metrics(torch.cat(corrects)[None], torch.cat(presents)[None])
-        out["val_loss"] = round(sum(losses) / max(len(losses), 1), 4)
+        if not corrects:
+            return {}
+        present = torch.cat(presents)
+        out = self.block_metrics(torch.cat(corrects)[None], present[None])
+        out["val_loss"] = round(sum(hards) / len(hards), 4)
+        if softs:
+            out["val_soft"] = round(sum(softs) / len(softs), 4)
+            out["val_kl"] = round(sum(kls) / len(kls), 4)
+        out.update(self.coverage_metrics(torch.cat(ranks), present, torch.cat(oovs)))
         return out
+
+    def _record(self, val: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        """Append a validation to the history and report it, with the extra held-out sets, to
+        ``on_eval`` (the run folder's eval.jsonl). Returns the extra sets' metrics."""
+        entry = {"step": self.state.step, "elapsed": round(self.state.elapsed, 1)}
+        self.state.history.append({**entry, **val})
+        evals = self.evaluate_extra() if self.extra_evals else {}
+        if self.on_eval is not None:
+            self.on_eval({**entry, "in_distribution": val, **evals})
+        return evals
+
+    def evaluate_extra(self) -> dict[str, dict[str, Any]]:
+        """``validate`` on every set of ``extra_evals`` (e.g. the OOD prompts' target answers)."""
+        return {name: self.validate(max_seqs=64, dataset=ds, name=name) for name, ds in self.extra_evals.items()}
 
     # -- checkpoints ------------------------------------------------------------------------
     def save_checkpoint(self, extra_config: dict[str, Any] | None = None) -> Path:
@@ -455,15 +632,13 @@ class Trainer:
         """
         last_ckpt = time.perf_counter()
         if self.state.step == 0 and not self.state.history:
-            self.state.history.append({"step": 0, "elapsed": 0.0, **self.validate()})
+            self._record(self.validate())
         try:
             while self.progress() < 1.0:
                 info = self.step()
                 if self.state.step % self.cfg.eval_every == 0:
                     info["val"] = self.validate()
-                    self.state.history.append(
-                        {"step": self.state.step, "elapsed": round(self.state.elapsed, 1), **info["val"]}
-                    )
+                    info["evals"] = self._record(info["val"])
                 if progress:
                     progress(info)
                 if time.perf_counter() - last_ckpt > self.cfg.checkpoint_every:
@@ -472,8 +647,8 @@ class Trainer:
         except KeyboardInterrupt:
             self.save_checkpoint(extra_config() if extra_config else None)
             raise
-        final_val = self.validate()
-        self.state.history.append({"step": self.state.step, "elapsed": round(self.state.elapsed, 1), **final_val})
+        if not self.state.history or self.state.history[-1]["step"] != self.state.step:
+            self._record(self.validate())
         self.save_checkpoint(extra_config() if extra_config else None)
         return self.state
 

@@ -1,0 +1,131 @@
+"""Choosing the reduced draft vocabulary: coverage of held-out answers against head cost.
+
+A drafter with a reduced vocabulary scores only N token ids (the most frequent answer tokens of the
+training data). A target token outside them can never be drafted: the out-of-vocabulary (OOV) share
+of held-out answer tokens is a hard ceiling on acceptance at every slot. The head costs 2*N*D
+multiply-adds per drafted slot, next to about 2*P for the drafter's P layer parameters.
+
+``coverage_report`` measures the OOV share on the held-out shard for a range of N;
+``choose_size`` picks the smallest N whose OOV share is at most ``max_oov`` (``--draft-vocab auto``),
+or the full vocabulary when the training data cannot reach it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+SIZES = (2048, 4096, 8192, 12288, 16384, 24576, 32768, 49152, 65536)
+ROUND = 512  # an auto size is rounded up to a multiple of this (matmul-friendly)
+
+
+def answer_counts(dataset: Any) -> Counter[int]:
+    """Answer-token frequencies of a ``ShardDataset`` (prompt tokens are not drafted)."""
+    counts: Counter[int] = Counter()
+    for shard in dataset.shards:
+        for j in range(shard.num_sequences):
+            a, b = int(shard.offsets[j]), int(shard.offsets[j + 1])
+            ans = shard.tokens[a + int(shard.prompt_len[j]) : b]
+            ids, c = torch.unique(ans, return_counts=True)
+            counts.update(dict(zip(ids.tolist(), c.tolist(), strict=True)))
+    return counts
+
+
+def ranked_tokens(counts: Counter[int]) -> list[int]:
+    """Token ids, most frequent first (ties: smaller id first, so the order is reproducible)."""
+    return sorted(counts, key=lambda t: (-counts[t], t))
+
+
+def oov_share(ranked: Sequence[int], heldout: Counter[int], n: int, always: Sequence[int] = ()) -> float:
+    """Share of held-out answer tokens outside the top-``n`` ranked ids (plus ``always``)."""
+    total = sum(heldout.values())
+    if total == 0:
+        return 0.0
+    keep = set(ranked[: max(n - len(always), 0)]) | set(always)
+    return 1.0 - sum(c for t, c in heldout.items() if t in keep) / total
+
+
+def coverage_report(
+    train_counts: Counter[int],
+    heldout: Counter[int],
+    vocab_size: int,
+    hidden_size: int,
+    layer_params: int,
+    sizes: Sequence[int] = SIZES,
+    always: Sequence[int] = (),
+) -> dict[str, Any]:
+    """OOV share of held-out answer tokens and head cost for each candidate draft vocabulary size.
+
+    Args:
+        train_counts: answer-token counts of the training shards (the ranking).
+        heldout: answer-token counts of the held-out shard(s).
+        vocab_size: the target's full vocabulary V.
+        hidden_size: D.
+        layer_params: parameters of the drafter's decoder layers (their cost per slot, 2 flops each).
+        sizes: candidate N (capped at the ids seen in training; the full vocabulary is added).
+        always: ids always kept (EOS).
+
+    Returns:
+        ``rows``: [{"n", "oov_share", "head_mflops_per_slot", "head_share"}], the last row being
+        the full vocabulary (``n`` = V, OOV 0); plus counts of tokens seen.
+    """
+    ranked = ranked_tokens(train_counts)
+    seen = len(set(ranked) | set(always))
+    cands = sorted({n for n in sizes if n < seen} | {seen})
+    rows = []
+    for n in [*cands, vocab_size]:
+        head = 2.0 * n * hidden_size
+        rows.append(
+            {
+                "n": int(n),
+                "oov_share": round(oov_share(ranked, heldout, n, always) if n < vocab_size else 0.0, 5),
+                "head_mflops_per_slot": round(head / 1e6, 2),
+                "head_share": round(head / (head + 2.0 * layer_params), 3),
+            }
+        )
+    return {
+        "heldout_answer_tokens": int(sum(heldout.values())),
+        "train_answer_tokens": int(sum(train_counts.values())),
+        "distinct_train_tokens": len(ranked),
+        "vocab_size": int(vocab_size),
+        "rows": rows,
+    }
+
+
+def choose_size(
+    train_counts: Counter[int],
+    heldout: Counter[int],
+    vocab_size: int,
+    max_oov: float = 0.01,
+    always: Sequence[int] = (),
+) -> int:
+    """The smallest N (rounded up to a multiple of ``ROUND``) whose held-out OOV share is at most
+    ``max_oov``; 0 (the full vocabulary) when even every token seen in training misses it, or when
+    N would exceed half the vocabulary (the head then costs about as much as the full one)."""
+    ranked = ranked_tokens(train_counts)
+    total = sum(heldout.values())
+    if total == 0:
+        return 0
+    keep = set(always)
+    covered = sum(heldout.get(t, 0) for t in keep)
+    n = len(keep)
+    for t in ranked:
+        if 1.0 - covered / total <= max_oov:
+            break
+        if t not in keep:
+            keep.add(t)
+            covered += heldout.get(t, 0)
+            n += 1
+    if 1.0 - covered / total > max_oov:
+        return 0
+    n = -(-n // ROUND) * ROUND
+    return 0 if n > vocab_size // 2 else min(n, len(set(ranked) | set(always)))
+
+
+def vocab_ids(train_counts: Counter[int], n: int, always: Sequence[int] = ()) -> torch.Tensor:
+    """The draft vocabulary: the ``n`` most frequent training answer tokens plus ``always``, sorted."""
+    ranked = ranked_tokens(train_counts)[: max(n - len(always), 0)]
+    return torch.tensor(sorted(set(ranked) | {int(t) for t in always}), dtype=torch.long)
