@@ -74,7 +74,137 @@ def test_quantize_unwritable_out_is_exit_2_before_loading(tiny_pair, tmp_path, m
         real = os.access
         monkeypatch.setattr(os, "access", lambda p, m, **k: False if str(p) == str(locked) else real(p, m, **k))
     try:
-        r = cli("quantize", "--target", str(t), "--drafter", "none", "--scheme", "int8", "--out", str(locked / "q"), *F32)
+        r = cli(
+            "quantize", "--target", str(t), "--drafter", "none", "--scheme", "int8", "--out", str(locked / "q"), *F32
+        )
         one_line_error(r, ConfigError.exit_code, "cannot write", "permission denied")
     finally:
         locked.chmod(0o755)
+
+
+# -- 2, 4, 7, 8, 9. dflash serve: bad options, bad text, bad numbers, no paths, cancellations -------
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def _metrics(url: str) -> str:
+    from tests.http_helpers import get
+
+    return get(url + "/metrics")[1]
+
+
+def test_server_block_size_beyond_the_drafters_block_is_400(server):
+    from tests.http_helpers import post
+
+    body = {"messages": MESSAGES, "max_tokens": 4, "temperature": 0}
+    status, resp = post(server.url + "/v1/chat/completions", {**body, "dflash": {"block_size": 100000}})
+    assert status == 400 and resp["error"]["param"] == "dflash.block_size", resp
+    assert resp["error"]["code"] == "block_size_exceeded" and "at most 4" in resp["error"]["message"]
+    status, resp = post(server.url + "/v1/chat/completions", {**body, "dflash": {"block_size": 4}})
+    assert status == 200, resp
+
+
+DEEP = b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+BAD_INPUT = [
+    ("seed overflow", {"messages": MESSAGES, "seed": 18446744073709551616}, None, "seed"),
+    ("100k-deep JSON", None, DEEP, None),
+    ("lone surrogate", None, b'{"messages": [{"role": "user", "content": "a\\ud800"}]}', None),
+    ("lone surrogate in stop", None, b'{"messages": [{"role": "user", "content": "a"}], "stop": "\\udc00"}', None),
+    ("invalid UTF-8", None, b'{"messages": [{"role": "user", "content": "caf\xe9"}]}', None),
+    ("NaN temperature", None, b'{"messages": [{"role": "user", "content": "a"}], "temperature": NaN}', None),
+]
+
+
+@pytest.mark.parametrize("case", BAD_INPUT, ids=[c[0] for c in BAD_INPUT])
+def test_server_bad_input_is_400_counted_and_not_logged(server, case):
+    from tests.http_helpers import post, request
+
+    _, body, raw, param = case
+    before = _metrics(server.url)
+    logged = len(server.lines)
+    if raw is None:
+        status, resp = post(server.url + "/v1/chat/completions", body)
+    else:
+        status, resp = request("POST", server.url + "/v1/chat/completions", raw=raw)
+    assert status == 400, resp
+    assert resp["error"]["type"] == "invalid_request_error" and resp["error"]["param"] == param
+    from tests.http_helpers import metric
+
+    after = _metrics(server.url)
+    labels = 'endpoint="chat",status="400"'
+    assert metric(after, "dflash_requests_total", labels) - metric(before, "dflash_requests_total", labels) == 1
+    assert post(server.url + "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2})[0] == 200
+    assert not any("Traceback" in line for line in server.lines[logged:]), "".join(server.lines[logged:])
+
+
+def test_models_endpoint_shows_no_local_paths(server, tiny_pair):
+    from tests.http_helpers import request
+
+    status, text = request("GET", server.url + "/v1/models")
+    raw = text if isinstance(text, str) else __import__("json").dumps(text)
+    assert status == 200
+    for folder in tiny_pair:
+        assert str(folder) not in raw and str(folder.parent) not in raw, raw
+    card = text["data"][0]["dflash"]
+    assert card["target"] == "target" and card["drafter"] == "drafter"
+
+
+def test_client_disconnect_is_counted_as_a_cancelled_generation():
+    import json
+    import time
+    import urllib.request
+
+    from tests.fakes import ScriptedDecoder
+    from tests.test_serve_app import BLOCKS
+    from tests.test_serve_app import serve as scripted
+
+    decoder = ScriptedDecoder(BLOCKS * 40, delay=0.05)
+    backend, srv = scripted(decoder)
+    with srv:
+        req = urllib.request.Request(
+            srv.url + "/v1/chat/completions",
+            data=json.dumps({"messages": MESSAGES, "stream": True}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        resp = urllib.request.urlopen(req, timeout=10)
+        assert resp.readline().startswith(b"data: ")
+        resp.close()
+        assert backend.cancelled.wait(5)
+        from tests.http_helpers import metric
+
+        deadline = time.monotonic() + 5
+        while metric(_metrics(srv.url), "dflash_generations_total", 'reason="cancelled"') < 1:
+            assert time.monotonic() < deadline, _metrics(srv.url)
+            time.sleep(0.05)
+        assert metric(_metrics(srv.url), "dflash_requests_running") == 0  # the slot is free
+
+
+def test_ctrl_c_twice_stops_the_server_cleanly(tiny_pair, tmp_path):
+    import signal
+    import threading
+    import time
+
+    from tests.http_helpers import ServeProcess, sse
+
+    t, d = tiny_pair
+    proc = ServeProcess(
+        ["--target", str(t), "--drafter", str(d), "--dtype", "float32", "--device", "cpu", "--log-level", "warning"],
+        tmp_path,
+    )
+    body = {"messages": MESSAGES, "stream": True, "max_tokens": 64, "ignore_eos": True}
+    threading.Thread(target=lambda: _swallow(sse, proc.url + "/v1/chat/completions", body), daemon=True).start()
+    time.sleep(0.3)
+    proc.proc.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    proc.proc.send_signal(signal.SIGINT)  # as ServePool.stop does when the first has not finished yet
+    assert proc.stop() == 0, "".join(proc.lines)
+    time.sleep(0.2)
+    log = "".join(proc.lines)
+    assert "Traceback" not in log and "CancelledError" not in log and "KeyboardInterrupt" not in log, log
+    assert "server stopped" in log
+
+
+def _swallow(fn, *args):
+    try:
+        fn(*args)
+    except Exception:  # noqa: BLE001 - the server going away mid-stream is the point
+        pass
