@@ -208,3 +208,68 @@ def _swallow(fn, *args):
         fn(*args)
     except Exception:  # noqa: BLE001 - the server going away mid-stream is the point
         pass
+
+
+# -- 3. a run folder never runs code --------------------------------------------------------------
+class _Payload:
+    """Unpickling this would create a file: the proof that code ran."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_pickle_payload_in_a_run_folder_is_refused(tmp_path):
+    import torch
+
+    from runtime.errors import ModelLoadError
+    from runtime.train.state import load_trainer_state
+
+    ckpt = tmp_path / "run" / "checkpoint"
+    ckpt.mkdir(parents=True)
+    marker = tmp_path / "pwned"
+    torch.save({"config": _Payload(str(marker)), "state": {}, "optimizer": {}, "rng": None}, ckpt / "trainer_state.pt")
+    with pytest.raises(ModelLoadError, match="pickled objects that dflash does not load"):
+        load_trainer_state(ckpt)
+    assert not marker.exists()
+
+
+def test_eval_only_on_a_run_folder_with_a_pickle_payload_is_a_clear_error(tmp_path):
+    import torch
+
+    ckpt = tmp_path / "run" / "checkpoint"
+    ckpt.mkdir(parents=True)
+    marker = tmp_path / "pwned"
+    torch.save({"config": _Payload(str(marker))}, ckpt / "trainer_state.pt")
+    r = cli("train", "--out", str(tmp_path / "run"), "--eval-only", *F32)
+    one_line_error(r, 4, "trainer_state.pt", "pickle")
+    assert not marker.exists()
+
+
+def test_trainer_state_round_trips_without_pickle(tmp_path):
+    import random
+
+    import torch
+
+    from runtime.train.state import load_trainer_state, save_trainer_state
+
+    w = torch.nn.Parameter(torch.randn(3, 2))
+    opt = torch.optim.AdamW([w], lr=1e-3, betas=(0.9, 0.95))
+    w.sum().backward()
+    opt.step()
+    rng = random.Random(3)
+    save_trainer_state(tmp_path, opt.state_dict(), {"step": 1}, {"betas": (0.9, 0.95)}, rng.getstate())
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*.*")) == [
+        "trainer/optimizer.safetensors",
+        "trainer/state.json",
+    ]
+    blob = load_trainer_state(tmp_path)
+    opt2 = torch.optim.AdamW([torch.nn.Parameter(w.detach().clone())], lr=1e-3)
+    opt2.load_state_dict(blob["optimizer"])
+    assert torch.equal(opt2.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    assert opt2.param_groups[0]["betas"] == (0.9, 0.95)
+    r2 = random.Random()
+    r2.setstate(blob["rng"])
+    assert r2.random() == rng.random()
