@@ -28,6 +28,7 @@ from runtime.errors import ConfigError, InputError, ModelLoadError, UnsupportedM
 from runtime.models import embedded, presets
 from runtime.models.compat import ensure_compatible
 from runtime.models.hub import resolve_model
+from runtime.textio import check_text
 
 Progress = Callable[[str], None]
 
@@ -243,6 +244,7 @@ class Pipeline:
         """
         if not text.strip():
             raise InputError("the prompt is empty; pass text as an argument or on stdin")
+        check_text(text, "the prompt")  # a lone surrogate (JSON "\\ud800") would crash the tokenizer
         if self.tokenizer is None:
             raise InputError("this target has no tokenizer; pass token ids with --prompt-ids 1,2,3")
         use_chat = self.is_chat_model if chat is None else chat

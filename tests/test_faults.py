@@ -273,3 +273,44 @@ def test_trainer_state_round_trips_without_pickle(tmp_path):
     r2 = random.Random()
     r2.setstate(blob["rng"])
     assert r2.random() == rng.random()
+
+
+# -- 4. text that is not UTF-8 ------------------------------------------------------------------------
+def test_invalid_utf8_on_stdin_is_exit_2_naming_the_byte_offset(tiny_pair):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    t, d = tiny_pair
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "dflash_cli", "run", "--target", str(t), "--drafter", str(d), *F32, "--raw", "-"]
+    p = subprocess.run(cmd, input=b"caf\xe9 x", capture_output=True, env=env, cwd=root, timeout=120)
+    err = p.stderr.decode()
+    assert p.returncode == 2, err
+    assert "stdin is not valid UTF-8: byte 0xe9 at byte offset 3" in err and "Traceback" not in err
+    assert p.stdout == b""
+
+
+def test_invalid_utf8_argument_and_lone_surrogate_are_exit_2(tiny_pair):
+    t, d = tiny_pair
+    r = cli("run", "--target", str(t), "--drafter", str(d), *F32, "--raw", "caf\udce9 x")  # as argv carries it
+    one_line_error(r, 2, "the prompt argument is not valid UTF-8: byte 0xe9 at byte offset 3")
+    r = cli("run", "--target", str(t), "--drafter", str(d), *F32, "--raw", "-", input=b"ok \xff\xfe")
+    one_line_error(r, 2, "byte 0xff at byte offset 3")
+
+
+def test_prompt_file_not_utf8_and_json_surrogates(tmp_path, tiny_pair):
+    from runtime.bench.datasets import load_prompt_file
+    from runtime.errors import InputError
+
+    f = tmp_path / "p.txt"
+    f.write_bytes(b"fine\nna\xefve\n")
+    with pytest.raises(InputError, match="byte 0xef at byte offset 7"):
+        load_prompt_file(f)
+    from runtime import ModelRef, RuntimeConfig, load_pipeline
+
+    t, _d = tiny_pair
+    pipe = load_pipeline(ModelRef(target=str(t), drafter="none"), RuntimeConfig(device="cpu", dtype="float32"))
+    with pytest.raises(InputError, match="lone surrogate"):
+        pipe.encode("a\ud800", chat=False)
