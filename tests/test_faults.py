@@ -314,3 +314,70 @@ def test_prompt_file_not_utf8_and_json_surrogates(tmp_path, tiny_pair):
     pipe = load_pipeline(ModelRef(target=str(t), drafter="none"), RuntimeConfig(device="cpu", dtype="float32"))
     with pytest.raises(InputError, match="lone surrogate"):
         pipe.encode("a\ud800", chat=False)
+
+
+# -- 5. a damaged or read-only chat database --------------------------------------------------------
+def _damaged_db(path) -> bytes:
+    """A real chat database with a page of garbage in the middle."""
+    from tui.store import ChatStore
+
+    store = ChatStore(path)
+    sid = store.new_session("t", "x", None, None)
+    for i in range(200):
+        store.add_message(sid, "user", f"message {i} " * 20)
+    store.close()
+    data = bytearray(path.read_bytes())
+    data[4096 * 2 : 4096 * 3] = b"\xa5" * 4096
+    path.write_bytes(bytes(data))
+    return bytes(data)
+
+
+@pytest.mark.parametrize("kind", ["not a database", "damaged pages", "read-only"])
+def test_chat_starts_with_a_damaged_or_read_only_database(tmp_path, monkeypatch, kind):
+    import sqlite3
+
+    from tests.test_tui import SIZE, app_for, ready, run, send
+    from tests.tui_fakes import FakeBackend
+
+    db = tmp_path / "chat.sqlite3"
+    if kind == "not a database":
+        db.write_bytes(b"this is not sqlite\n" * 100)
+    elif kind == "damaged pages":
+        _damaged_db(db)
+    else:
+        from tui.store import ChatStore
+
+        ChatStore(db).close()
+        real = sqlite3.connect
+        monkeypatch.setattr(  # what a file without write permission gives (root ignores chmod)
+            sqlite3,
+            "connect",
+            lambda p, **k: real(f"file:{p}?mode=ro", uri=True, **k) if p == str(db) else real(p, **k),
+        )
+    before = db.read_bytes()
+
+    async def chat():
+        app = app_for(FakeBackend(), db_path=db)
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(pilot)
+            await send(pilot, "hello")
+            await send(pilot, "again")
+            notes = [n for n in app._notifications if str(db) in n.message]
+            assert len(notes) == 1 and notes[0].severity == "warning", [n.message for n in app._notifications]
+            assert "in memory" in notes[0].message
+            assert app.store.list_sessions()[0].turns == 2  # kept for this run
+
+    run(chat())
+    assert db.read_bytes() == before  # nothing deleted or overwritten
+
+
+def test_chat_history_with_a_damaged_database_names_the_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_HOME", str(tmp_path))
+    from dflash_cli.commands.chat import chat_db
+
+    db = chat_db()
+    db.parent.mkdir(parents=True, exist_ok=True)
+    db.write_bytes(b"garbage" * 100)
+    r = cli("chat", "--history")
+    one_line_error(r, 2, str(db))
+    assert db.read_bytes() == b"garbage" * 100
