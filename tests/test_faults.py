@@ -381,3 +381,74 @@ def test_chat_history_with_a_damaged_database_names_the_file(tmp_path, monkeypat
     r = cli("chat", "--history")
     one_line_error(r, 2, str(db))
     assert db.read_bytes() == b"garbage" * 100
+
+
+# -- 6. bench history: reads are read-only and wait for locks -----------------------------------------
+def _old_history(path):
+    import sqlite3
+
+    from runtime.bench.store import _DDL
+
+    con = sqlite3.connect(path)
+    con.executescript(_DDL)
+    con.execute(
+        "INSERT INTO runs (created, target, dataset, prompts, max_tokens, device, dtype, document) "
+        "VALUES ('2026-01-01', 't', 'humaneval', 1, 8, 'cpu', 'float32', '{\"x\": 1}')"
+    )
+    con.commit()
+    con.close()  # user_version 0: a schema change on read would rewrite the header
+
+
+def test_bench_history_reads_never_change_the_file(tmp_path):
+    from runtime.bench.store import BenchStore
+
+    db = tmp_path / "bench.sqlite"
+    _old_history(db)
+    before = db.read_bytes()
+    store = BenchStore(db)
+    assert [r.id for r in store.history()] == [1]
+    assert store.get("last") == {"x": 1}
+    assert db.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.sqlite"]  # no journal left behind
+
+
+def test_bench_history_reads_while_another_process_writes(tmp_path):
+    import sqlite3
+    import time
+
+    from runtime.bench.store import BenchStore
+
+    db = tmp_path / "bench.sqlite"
+    _old_history(db)
+    writer = sqlite3.connect(db)
+    writer.execute("BEGIN IMMEDIATE")  # a `dflash bench` saving right now
+    writer.execute("DELETE FROM runs")
+    try:
+        t0 = time.monotonic()
+        assert [r.id for r in BenchStore(db, lock_timeout=3).history()] == [1]
+        assert time.monotonic() - t0 < 2
+    finally:
+        writer.rollback()
+        writer.close()
+
+
+def test_bench_history_waits_for_an_exclusive_lock_then_says_locked(tmp_path):
+    import sqlite3
+    import threading
+    import time
+
+    from runtime.bench.store import BenchStore
+    from runtime.errors import DFlashError
+
+    db = tmp_path / "bench.sqlite"
+    _old_history(db)
+    holder = sqlite3.connect(db, check_same_thread=False)
+    holder.execute("BEGIN EXCLUSIVE")
+    with pytest.raises(DFlashError, match="locked by another process") as e:
+        BenchStore(db, lock_timeout=0.2).history()
+    assert "move it away" not in str(e.value)
+    threading.Timer(0.3, holder.rollback).start()
+    t0 = time.monotonic()
+    assert [r.id for r in BenchStore(db, lock_timeout=5).history()] == [1]  # waited for the lock
+    assert time.monotonic() - t0 >= 0.2
+    holder.close()
