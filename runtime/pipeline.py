@@ -129,7 +129,7 @@ def read_drafter_config(drafter_dir: Path) -> DraftModelConfig:
     """Parse a drafter's config.json without loading weights."""
     path = drafter_dir / "config.json"
     try:
-        return DraftModelConfig.from_dict(json.loads(path.read_text()))
+        return DraftModelConfig.from_dict(json.loads(path.read_text()), path)
     except (OSError, json.JSONDecodeError) as e:
         raise ModelLoadError(f"cannot read drafter config {path}: {e}") from e
 

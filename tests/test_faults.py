@@ -452,3 +452,27 @@ def test_bench_history_waits_for_an_exclusive_lock_then_says_locked(tmp_path):
     assert [r.id for r in BenchStore(db, lock_timeout=5).history()] == [1]  # waited for the lock
     assert time.monotonic() - t0 >= 0.2
     holder.close()
+
+
+# -- 10. errors from a model's files name the file -------------------------------------------------------
+@pytest.mark.parametrize(
+    "edit,code,needle",
+    [
+        (lambda c: c.update(block_size=0), 2, "block_size must be >= 1"),
+        (lambda c: c.pop("intermediate_size"), 4, "intermediate_size"),
+        (lambda c: c.update(num_hidden_layers="two"), 4, "two"),
+    ],
+    ids=["block_size 0", "missing field", "malformed field"],
+)
+def test_bad_drafter_config_names_the_config_file(tiny_pair, tmp_path, edit, code, needle):
+    import json
+    import shutil
+
+    t, d = tiny_pair
+    bad = tmp_path / "drafter"
+    shutil.copytree(d, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    edit(cfg)
+    (bad / "config.json").write_text(json.dumps(cfg))
+    r = cli("run", "--target", str(t), "--drafter", str(bad), *F32, "--raw", "hi")
+    one_line_error(r, code, str(bad / "config.json"), needle)
