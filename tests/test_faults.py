@@ -476,3 +476,33 @@ def test_bad_drafter_config_names_the_config_file(tiny_pair, tmp_path, edit, cod
     (bad / "config.json").write_text(json.dumps(cfg))
     r = cli("run", "--target", str(t), "--drafter", str(bad), *F32, "--raw", "hi")
     one_line_error(r, code, str(bad / "config.json"), needle)
+
+
+# -- 11. silent nonsense -------------------------------------------------------------------------------
+def test_garbage_weights_with_an_intact_header_stop_with_exit_4_naming_the_folder(tiny_pair, tmp_path):
+    import json
+    import shutil
+    import struct
+
+    t, _d = tiny_pair
+    bad = tmp_path / "garbage-target"
+    shutil.copytree(t, bad)
+    (st,) = list(bad.glob("*.safetensors"))
+    data = bytearray(st.read_bytes())
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8 : 8 + n])
+    assert all(v["dtype"] == "F32" for k, v in header.items() if k != "__metadata__")
+    data[8 + n :] = b"\xff" * (len(data) - 8 - n)  # every float is NaN; the header still adds up
+    st.write_bytes(bytes(data))
+    r = cli("run", "--target", str(bad), "--drafter", "none", *F32, "--raw", "-n", "4", "hello")
+    one_line_error(r, 4, str(bad), "non-finite logits")
+    assert r.stdout == ""
+
+
+def test_block_size_above_the_trained_block_warns(tiny_pair):
+    t, d = tiny_pair
+    r = cli("run", "--target", str(t), "--drafter", str(d), *F32, "--raw", "-n", "4", "-b", "9", "hello")
+    assert r.exit_code == 0, r.output
+    assert "warning: block size 9 is above the 4 tokens the drafter was trained for" in r.stderr
+    r = cli("run", "--target", str(t), "--drafter", str(d), *F32, "--raw", "-n", "4", "-b", "4", "hello")
+    assert r.exit_code == 0 and "warning" not in r.stderr

@@ -39,6 +39,7 @@ from ..common import (
     load_options,
 )
 from ..errors import handle_errors
+from ..render import warn_block_size
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -286,6 +287,7 @@ def _serve_local(
     from ..server.protocol import Limits
 
     pipe = load(model, target, drafter, device, dtype, offline, revision, quantize, threads)
+    warn_block_size(pipe, opts.block_size)
     if pipe.drafter is None and opts.decoder == "dflash":
         opts = type(opts)(decoder="ar")  # no drafter: plain decoding is all there is
     names = _served_names(model, target, pipe, served_model_name)

@@ -27,6 +27,7 @@ from runtime.engine.events import (
     TokenEvent,
     TokenStatus,
 )
+from runtime.engine.guards import ensure_finite_logits
 from runtime.engine.kv_cache import DraftKVCache
 from runtime.engine.sampling import sample
 from runtime.engine.target import TargetModel
@@ -209,6 +210,7 @@ class DFlashDecoder:
         t_cache = target.new_cache()
         ids = torch.tensor([prompt], dtype=torch.long, device=device)  # [1, P]
         logits, feats = target.forward(ids, t_cache, logits_to_keep=1, capture=self.drafter is not None)
+        ensure_finite_logits(logits[-1:], target)  # garbage weights: exit 4 naming the folder, not `0 0 0 ...`
         first = int(sample(logits[-1:], params, gen).item())
         _sync(device)
         ttft = time.perf_counter() - rec.t0
