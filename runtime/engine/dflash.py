@@ -261,7 +261,7 @@ class DFlashDecoder:
             anchor = post_list[a]
             committed.extend(new_ids)
             rec.step(drafted=k, accepted=a, committed=len(events), planned=planned)
-            self.verify.observe(k, a)
+            self.verify.observe(k, a, time.perf_counter() - t_step)  # the step's time: costs learnt as it runs
             draft_text = tuple(asm.decode_one(t) for t in draft_list) if self.tokenizer is not None else ("",) * k
             yield BlockVerified(
                 draft=tuple(draft_list),
