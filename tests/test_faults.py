@@ -506,3 +506,55 @@ def test_block_size_above_the_trained_block_warns(tiny_pair):
     assert "warning: block size 9 is above the 4 tokens the drafter was trained for" in r.stderr
     r = cli("run", "--target", str(t), "--drafter", str(d), *F32, "--raw", "-n", "4", "-b", "4", "hello")
     assert r.exit_code == 0 and "warning" not in r.stderr
+
+
+def test_non_streamed_client_disconnect_cancels_at_the_next_step_and_is_counted():
+    import json
+    import socket
+    import time
+
+    from tests.fakes import ScriptedDecoder
+    from tests.http_helpers import metric
+    from tests.test_serve_app import BLOCKS
+    from tests.test_serve_app import serve as scripted
+
+    decoder = ScriptedDecoder(BLOCKS * 40, delay=0.05)
+    backend, srv = scripted(decoder)
+    with srv:
+        host, port = srv.url.removeprefix("http://").split(":")
+        body = json.dumps({"messages": MESSAGES}).encode()
+        s = socket.create_connection((host, int(port)))
+        s.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        time.sleep(0.3)  # the generation is running
+        s.close()
+        assert backend.cancelled.wait(5), "the generation kept running for a client that left"
+        deadline = time.monotonic() + 5
+        while metric(_metrics(srv.url), "dflash_generations_total", 'reason="cancelled"') < 1:
+            assert time.monotonic() < deadline, _metrics(srv.url)
+            time.sleep(0.05)
+
+
+def test_an_unexpected_exception_is_a_counted_500_without_a_traceback(capfd):
+    from tests.fakes import ScriptedDecoder
+    from tests.http_helpers import get, metric
+    from tests.test_serve_app import BLOCKS, ScriptedBackend
+
+    class Broken(ScriptedBackend):
+        def describe(self):
+            raise RuntimeError("boom")
+
+    from dflash_cli.server.app import ServeConfig, create_app
+    from tests.http_helpers import ThreadServer
+
+    srv = ThreadServer(create_app(Broken(ScriptedDecoder(BLOCKS)), ServeConfig(model_names=("scripted",))))
+    with srv:
+        status, body = get(srv.url + "/v1/models")
+        assert status == 500 and body["error"]["code"] == "internal_error" and "boom" in body["error"]["message"]
+        assert metric(_metrics(srv.url), "dflash_requests_total", 'endpoint="models",status="500"') == 1
+        assert get(srv.url + "/health")[0] == 200
+    err = capfd.readouterr().err
+    assert "Traceback" not in err, err
