@@ -168,10 +168,10 @@ def test_out_folder_is_never_clobbered_without_force(tiny_pair, tmp_path):
     one_line_error(r, ConfigError.exit_code, "not a folder written by dflash quantize")
     assert (out / "keep.txt").read_text() == "mine"
     mine = tmp_path / "mine"
-    r = cli(*args[:-len(F32) - 2], "--out", str(mine), *F32)
+    r = cli(*args[: -len(F32) - 2], "--out", str(mine), *F32)
     assert r.exit_code == 0, r.output
     (mine / "stale.txt").write_text("old output")
-    r = cli(*args[:-len(F32) - 2], "--out", str(mine), *F32, "--force")  # a folder dflash wrote: replaced
+    r = cli(*args[: -len(F32) - 2], "--out", str(mine), *F32, "--force")  # a folder dflash wrote: replaced
     assert r.exit_code == 0, r.output
     assert not (mine / "stale.txt").exists() and (mine / "config.json").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left
