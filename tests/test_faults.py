@@ -111,6 +111,7 @@ BAD_INPUT = [
     ("lone surrogate in stop", None, b'{"messages": [{"role": "user", "content": "a"}], "stop": "\\udc00"}', None),
     ("invalid UTF-8", None, b'{"messages": [{"role": "user", "content": "caf\xe9"}]}', None),
     ("NaN temperature", None, b'{"messages": [{"role": "user", "content": "a"}], "temperature": NaN}', None),
+    ("huge stop string", {"messages": MESSAGES, "stop": "x" * 100_000}, None, "stop"),
 ]
 
 

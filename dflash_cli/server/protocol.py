@@ -24,6 +24,7 @@ from runtime import ConfigError, DecodeOptions, SamplingParams
 from runtime.engine.events import BlockVerified, DecodeEvent, GenerationStats, event_to_json
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024  # each stop string is matched against the text after every step
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 FINISH = {"stop": "stop", "length": "length", "cancelled": "abort"}
 
@@ -100,7 +101,7 @@ def _unicode(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_unicode)]
-NonEmpty = Annotated[Text, Field(min_length=1)]
+StopText = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 TokenId = Annotated[int, Field(ge=0)]
 
 
@@ -161,7 +162,7 @@ class _Request(_Schema):
     top_p: Annotated[float, Field(allow_inf_nan=False)] | None = None
     top_k: int | None = None
     seed: Annotated[int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])] | None = None
-    stop: NonEmpty | Annotated[list[NonEmpty], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stop_token_ids: list[TokenId] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
