@@ -295,10 +295,18 @@ def read_prompt(argument: str | None) -> str:
 
     Argument and piped stdin are joined (stdin first, then a newline, then the argument), so
     ``cat foo.py | dflash run "add type hints"`` sends the file followed by the instruction.
+
+    Raises:
+        InputError: stdin or the argument is not valid UTF-8 (the message names the byte offset).
     """
+    from runtime.textio import check_text, decode_utf8
+
     piped = ""
     if argument == "-" or not sys.stdin.isatty():
-        piped = sys.stdin.read()
+        raw = getattr(sys.stdin, "buffer", None)
+        piped = decode_utf8(raw.read(), "stdin") if raw is not None else check_text(sys.stdin.read(), "stdin")
+    if argument is not None and argument != "-":
+        check_text(argument, "the prompt argument")
     if argument == "-":
         return piped
     if argument and piped:

@@ -26,3 +26,27 @@ def format_stats_line(stats: Any, reason: str) -> str:
             f"| block {stats.block_size}, verify {stats.verify_length}"
         )
     return line + f" | finish: {reason}"
+
+
+def warn_block_size(pipe: Any, asked: Any) -> None:
+    """Warn on stderr when a block size is above the drafter's trained block (slower, drafts past it are noise).
+
+    Args:
+        pipe: the loaded pipeline (``drafter``, ``block_size``: the trained block).
+        asked: a block size or a sequence of them (None: the drafter's own).
+    """
+    import sys
+
+    if asked is None or getattr(pipe, "drafter", None) is None:
+        return
+    trained = int(pipe.block_size)
+    sizes = [asked] if isinstance(asked, int) else list(asked)
+    over = sorted({b for b in sizes if b > trained})
+    if over:
+        print(
+            f"dflash: warning: block size {', '.join(map(str, over))} is above the {trained} tokens the drafter was "
+            f"trained for: drafts beyond position {trained - 1} are rarely accepted and each step costs more; "
+            f"use --block-size {trained} or less",
+            file=sys.stderr,
+            flush=True,
+        )

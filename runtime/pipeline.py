@@ -30,6 +30,7 @@ from runtime.errors import ConfigError, InputError, ModelLoadError, UnsupportedM
 from runtime.models import embedded, presets
 from runtime.models.compat import ensure_compatible
 from runtime.models.hub import resolve_model
+from runtime.textio import check_text
 
 Progress = Callable[[str], None]
 
@@ -130,7 +131,7 @@ def read_drafter_config(drafter_dir: Path) -> DraftModelConfig:
     """Parse a drafter's config.json without loading weights."""
     path = drafter_dir / "config.json"
     try:
-        return DraftModelConfig.from_dict(json.loads(path.read_text()))
+        return DraftModelConfig.from_dict(json.loads(path.read_text()), path)
     except (OSError, json.JSONDecodeError) as e:
         raise ModelLoadError(f"cannot read drafter config {path}: {e}") from e
 
@@ -264,6 +265,7 @@ class Pipeline:
         """
         if not text.strip():
             raise InputError("the prompt is empty; pass text as an argument or on stdin")
+        check_text(text, "the prompt")  # a lone surrogate (JSON "\\ud800") would crash the tokenizer
         if self.tokenizer is None:
             raise InputError("this target has no tokenizer; pass token ids with --prompt-ids 1,2,3")
         use_chat = self.is_chat_model if chat is None else chat

@@ -164,9 +164,17 @@ def test_out_folder_is_never_clobbered_without_force(tiny_pair, tmp_path):
     r = cli(*args)
     one_line_error(r, ConfigError.exit_code, "--force")
     assert (out / "keep.txt").read_text() == "mine"
-    r = cli(*args, "--force")
+    r = cli(*args, "--force")  # not a folder dflash wrote: --force does not replace it either
+    one_line_error(r, ConfigError.exit_code, "not a folder written by dflash quantize")
+    assert (out / "keep.txt").read_text() == "mine"
+    mine = tmp_path / "mine"
+    r = cli(*args[: -len(F32) - 2], "--out", str(mine), *F32)
     assert r.exit_code == 0, r.output
-    assert not (out / "keep.txt").exists() and (out / "config.json").exists()
+    (mine / "stale.txt").write_text("old output")
+    r = cli(*args[: -len(F32) - 2], "--out", str(mine), *F32, "--force")  # a folder dflash wrote: replaced
+    assert r.exit_code == 0, r.output
+    assert not (mine / "stale.txt").exists() and (mine / "config.json").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left
 
 
 def test_out_inside_the_source_and_nothing_to_quantize(tiny_pair, tmp_path):

@@ -290,7 +290,10 @@ def test_decoder_options_per_request(server, local):
 
 
 @pytest.mark.parametrize(
-    "opts", [DecodeOptions(), DecodeOptions(decoder="ar"), DecodeOptions(block_size=2)], ids=["dflash", "ar", "b2"]
+    # verify length pinned: each process learns its own step costs, so an adaptive K may differ between them
+    "opts",
+    [DecodeOptions(verify_length=3), DecodeOptions(decoder="ar"), DecodeOptions(block_size=2)],
+    ids=["dflash", "ar", "b2"],
 )
 def test_remote_backend_gives_the_local_events(server, local, opts):
     """What chat and bench do with --server: the same Backend calls, the same events as the local pair."""

@@ -16,6 +16,7 @@ from runtime import ModelRef, RuntimeConfig, SamplingParams, load_pipeline
 from runtime.engine.drafter import load_draft_model, save_draft_model
 from runtime.train.api import DataSpec, DrafterSpec, fit, prepare_data
 from runtime.train.data import load_shard
+from runtime.train.state import load_trainer_state
 from runtime.train.trainer import TrainConfig
 from tests.fakes import collect_ids, make_target, make_tokenizer
 
@@ -113,7 +114,8 @@ def test_checkpoint_resume_and_extend(tiny, tmp_path):
     pipe, _, data_dir, _ = tiny
     spec = DrafterSpec(num_layers=1, block_size=4, draft_vocab=0)
     fit(pipe.target, pipe.tokenizer, data_dir, tmp_path, spec, TrainConfig(steps=20, anchors=8, eval_every=10))
-    state = torch.load(tmp_path / "checkpoint" / "trainer_state.pt", weights_only=False)["state"]
+    assert not list((tmp_path / "checkpoint").glob("*.pt"))  # no pickle in a run folder
+    state = load_trainer_state(tmp_path / "checkpoint")["state"]
     assert state["step"] == 20
     with pytest.raises(Exception, match="--resume"):
         fit(pipe.target, pipe.tokenizer, data_dir, tmp_path, spec, TrainConfig(steps=20))

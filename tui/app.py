@@ -30,7 +30,7 @@ from runtime.engine.events import DecodeEvent, Finished
 from .config import BackendFactory, ChatConfig
 from .screens import HelpScreen, SessionsScreen, SystemPromptScreen
 from .stats import GenerationTracker, SessionTotals
-from .store import ChatStore, StoredMessage, session_title
+from .store import StoredMessage, open_store, session_title
 from .widgets import AssistantTurn, Legend, PromptInput, StatsBar, TokenChunk, UserTurn
 
 QUIT_WINDOW = 3.0  # seconds in which a second Ctrl-C quits
@@ -113,7 +113,7 @@ class ChatApp(App[None]):
         self.model_info: dict[str, Any] = {}
         self.per_token_status = True  # the backend says which tokens were drafted (False: plain text)
         self.load_error: str | None = None
-        self.store = ChatStore(self.config.db_path) if self.config.db_path is not None else ChatStore(":memory:")
+        self.store, self.store_warning = open_store(self.config.db_path)  # a damaged file: in memory, said once
         self.system = self.config.system
         self.view = self.config.view
         self.messages: list[dict[str, str]] = []
@@ -165,6 +165,8 @@ class ChatApp(App[None]):
         if self.config.resume is not None:
             self.open_session(self.config.resume)
         self.stats_bar.show(self.tracker, self.totals, running=False)
+        if self.store_warning:
+            self.notify(self.store_warning, title="chat history not saved", severity="warning", timeout=30)
         self.load_backend()
 
     def on_unmount(self) -> None:

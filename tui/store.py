@@ -75,11 +75,19 @@ class ChatStore:
         self.path = path
         if isinstance(path, Path):
             path.parent.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite3.connect(str(path), check_same_thread=False)
-        self.db.execute("PRAGMA foreign_keys = ON")
-        with self.db:
-            self.db.executescript(SCHEMA)
-            self.db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        self.db = sqlite3.connect(str(path), check_same_thread=False, timeout=5)
+        try:
+            self.db.execute("PRAGMA foreign_keys = ON")
+            if path != ":memory:":
+                check = self.db.execute("PRAGMA quick_check").fetchone()  # reads only; a damaged page shows here
+                if check is None or check[0] != "ok":
+                    raise sqlite3.DatabaseError(f"damaged database: {check[0] if check else 'no answer'}")
+            with self.db:
+                self.db.executescript(SCHEMA)
+                self.db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")  # fails on a read-only file
+        except BaseException:
+            self.db.close()
+            raise
 
     def close(self) -> None:
         """Close the database."""
@@ -166,6 +174,29 @@ class ChatStore:
         """The last ``limit`` prompts, oldest first."""
         rows = self.db.execute("SELECT text FROM prompt_history ORDER BY id DESC LIMIT ?", (limit,)).fetchall()
         return [r[0] for r in reversed(rows)]
+
+
+def open_store(path: Path | None) -> tuple[ChatStore, str | None]:
+    """The chat store at ``path``, or an in-memory one when that file cannot be used.
+
+    Returns:
+        (store, None), or (in-memory store, a one-line warning naming the file) when the file is
+        damaged, not a database, read-only or locked. The file itself is left exactly as it was.
+    """
+    if path is None:
+        return ChatStore(":memory:"), None
+    try:
+        return ChatStore(path), None
+    except (sqlite3.Error, OSError) as e:
+        return ChatStore(":memory:"), store_problem(path, e)
+
+
+def store_problem(path: Path, error: BaseException) -> str:
+    """What to tell the user about an unusable chat database."""
+    return (
+        f"chat history {path} cannot be used ({error}); this session is kept in memory only and the file is left "
+        f"untouched. To start a fresh history, move it away (mv {path} {path}.bad) or fix its permissions."
+    )
 
 
 def session_title(text: str, width: int = 60) -> str:

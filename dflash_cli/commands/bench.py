@@ -37,6 +37,7 @@ from ..common import (
     state_dir,
 )
 from ..errors import handle_errors
+from ..render import warn_block_size
 
 bench_app = typer.Typer(
     help="Speed tests: DFlash vs plain decoding and the methods users pick instead, in one run.",
@@ -196,6 +197,7 @@ def bench(
         from runtime.bench.runner import load_assistant, run_bench
 
         pipe = load(model, target, drafter, device, dtype, offline, revision, quantize, threads)
+        warn_block_size(pipe, sizes)
         if not method_list and pipe.drafter is None:
             _err(f"dflash: note: no drafter loaded for {pipe.pair.target_name}; skipping the dflash rows")
             config = replace(config, methods=tuple(m for m in config.methods if m != "dflash"), block_sizes=())

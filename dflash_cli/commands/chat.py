@@ -63,9 +63,12 @@ def interactive() -> bool:
 
 def _resume_id(value: str, db: Path) -> int:
     from runtime import InputError
-    from tui.store import ChatStore
+    from tui.store import open_store
 
-    store = ChatStore(db)
+    store, problem = open_store(db)
+    if problem:
+        store.close()
+        raise InputError(f"cannot resume: {problem}")
     try:
         if value == "last":
             sessions = store.list_sessions(limit=1)
@@ -136,9 +139,13 @@ def chat(
 
     db = chat_db()
     if history:
-        from tui.store import ChatStore, format_sessions
+        from runtime import InputError
+        from tui.store import format_sessions, open_store
 
-        store = ChatStore(db)
+        store, problem = open_store(db)
+        if problem:
+            store.close()
+            raise InputError(problem)
         try:
             typer.echo(format_sessions(store.list_sessions(limit=100)))
         finally:

@@ -41,7 +41,7 @@ from ..common import (
     read_prompt,
 )
 from ..errors import handle_errors
-from ..render import format_stats_line, paint
+from ..render import format_stats_line, paint, warn_block_size
 
 INTERRUPTED = 130
 
@@ -138,6 +138,7 @@ def run(
             events = remote.stream_prompt(text, params, opts, cancel, chat=use_chat, system=system)
     else:
         pipe = load(model, target, drafter, device, dtype, offline, revision, quantize, threads)
+        warn_block_size(pipe, block_size)
         show_ids = pipe.tokenizer is None
         if ids is None:
             assert text is not None

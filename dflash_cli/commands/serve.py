@@ -39,6 +39,7 @@ from ..common import (
     load_options,
 )
 from ..errors import handle_errors
+from ..render import warn_block_size
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -282,10 +283,11 @@ def _serve_local(
 ) -> None:
     import uvicorn
 
-    from ..server.app import ServeConfig, create_app
+    from ..server.app import DFlashServer, ServeConfig
     from ..server.protocol import Limits
 
     pipe = load(model, target, drafter, device, dtype, offline, revision, quantize, threads)
+    warn_block_size(pipe, opts.block_size)
     if pipe.drafter is None and opts.decoder == "dflash":
         opts = type(opts)(decoder="ar")  # no drafter: plain decoding is all there is
     names = _served_names(model, target, pipe, served_model_name)
@@ -297,7 +299,8 @@ def _serve_local(
         decode=opts,
         debug=debug_enabled(),
     )
-    app = create_app(pipe, config)
+    served = DFlashServer(pipe, config)
+    app = served.app()
     bound_port = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
     print(
@@ -308,11 +311,54 @@ def _serve_local(
     )
     if host not in LOOPBACK and not api_key:
         print("dflash: warning: listening beyond this machine without an API key (set DFLASH_API_KEY)", file=sys.stderr)
-    server = uvicorn.Server(
-        uvicorn.Config(app, log_config=_log_config(log_level), timeout_graceful_shutdown=3, access_log=True)
+    server = _quiet_server(
+        uvicorn.Config(app, log_config=_log_config(log_level), timeout_graceful_shutdown=3, access_log=True),
+        on_exit=served.cancel_all,
     )
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # Ctrl-C is how a server is stopped: uvicorn has shut down cleanly
         pass
     print("dflash: server stopped", file=sys.stderr, flush=True)
+
+
+def _quiet_server(config: Any, on_exit: Any) -> Any:
+    """A uvicorn server that Ctrl-C (or SIGTERM) stops cleanly: exit 0, no traceback.
+
+    uvicorn re-raises every captured signal once it has shut down, and a second Ctrl-C makes it skip
+    the app's shutdown, so a second Ctrl-C during shutdown surfaced as KeyboardInterrupt/CancelledError
+    tracebacks (request and lifespan tasks) and a non-zero exit. Here the first signal cancels the
+    generations (``on_exit``: streams end with finish_reason "abort" at the next step, so the graceful
+    shutdown does not wait for them) and starts the shutdown; later signals change nothing.
+    """
+    import asyncio
+    import contextlib
+    import signal
+    import threading
+
+    import uvicorn
+
+    class QuietServer(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if self.should_exit:
+                return  # already shutting down, within timeout_graceful_shutdown
+            self.should_exit = True
+            try:  # not from inside the signal handler: it may have interrupted a lock holder
+                asyncio.get_running_loop().call_soon_threadsafe(on_exit)
+            except RuntimeError:
+                on_exit()
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Any:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, self.handle_exit)
+            try:
+                yield
+            finally:  # the process is exiting: later signals change nothing (uvicorn would re-raise them)
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    signal.signal(sig, signal.SIG_IGN)
+
+    return QuietServer(config)

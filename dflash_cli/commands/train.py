@@ -237,16 +237,15 @@ def _eval_only(
     ood_eval: bool = True,
 ) -> None:
     """Evaluate the last checkpoint of a run and export it with a fresh model card."""
-    import torch
-
     from runtime.errors import ConfigError
     from runtime.train.api import export
+    from runtime.train.state import LEGACY_PICKLE, STATE_JSON, load_trainer_state
     from runtime.train.trainer import TrainConfig, TrainState
 
-    ckpt = out / "checkpoint" / "trainer_state.pt"
-    if not ckpt.exists():
-        raise ConfigError(f"{ckpt.parent} has no checkpoint to evaluate; train first")
-    blob = torch.load(ckpt, map_location="cpu", weights_only=False)
+    ckpt = out / "checkpoint"
+    if not ((ckpt / STATE_JSON).exists() or (ckpt / LEGACY_PICKLE).exists()):
+        raise ConfigError(f"{ckpt} has no checkpoint to evaluate; train first")
+    blob = load_trainer_state(ckpt)  # never unpickles
     pipe = load(model, target, "none", device, dtype, offline, threads=threads)
     say = _printer()
     raw = json.loads((out / "checkpoint" / "config.json").read_text())

@@ -13,13 +13,17 @@ import contextlib
 import hmac
 import json
 import sys
+import time
 import traceback
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
+import pydantic_core
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -77,6 +81,10 @@ class DFlashServer:
     """Routes and state of one server."""
 
     def __init__(self, backend: Backend, config: ServeConfig) -> None:
+        block = getattr(backend, "block_size", None)
+        if config.limits.max_block_size is None and isinstance(block, int) and block > 1:
+            # per-request block sizes up to the drafter's trained block: larger ones cost quadratic drafter time
+            config = replace(config, limits=replace(config.limits, max_block_size=block))
         self.backend = backend
         self.config = config
         self.metrics = ServerMetrics()
@@ -86,11 +94,16 @@ class DFlashServer:
     # -- lifecycle -------------------------------------------------------------------------
     @contextlib.asynccontextmanager
     async def lifespan(self, _app: Starlette) -> AsyncIterator[None]:
-        self.queue = GenerationQueue(self.config.max_queue, self.metrics.queue_changed)
+        self.queue = GenerationQueue(self.config.max_queue, self.metrics.queue_changed, self.metrics.skipped)
         try:
             yield
-        finally:
-            self.queue.close()
+        finally:  # off the event loop: a running step may take a moment to notice its cancellation
+            await asyncio.get_running_loop().run_in_executor(None, self.queue.close)
+
+    def cancel_all(self) -> None:
+        """Cancel the running and waiting generations (the server is shutting down)."""
+        if self.queue is not None:
+            self.queue.cancel_all()
 
     def app(self) -> Starlette:
         """The Starlette app."""
@@ -105,7 +118,8 @@ class DFlashServer:
         return Starlette(
             routes=routes,
             lifespan=self.lifespan,
-            exception_handlers={HTTPException: self._http_exception, Exception: self._unexpected},
+            middleware=[Middleware(_Contain, server=self)],
+            exception_handlers={HTTPException: self._http_exception},
         )
 
     async def _http_exception(self, request: Request, exc: Exception) -> Response:
@@ -118,11 +132,6 @@ class DFlashServer:
         self.metrics.request("other", status)
         return _error(P.APIError(status, message if status in (404, 405) else str(exc.detail), code=kind))
 
-    async def _unexpected(self, _request: Request, exc: Exception) -> Response:
-        if self.config.debug:
-            traceback.print_exception(exc, file=sys.stderr)
-        return _error(_runtime_error(exc))
-
     def _auth(self, request: Request) -> None:
         key = self.config.api_key
         if not key:
@@ -134,7 +143,10 @@ class DFlashServer:
 
     # -- simple endpoints ------------------------------------------------------------------
     def _model_card(self, name: str) -> dict[str, Any]:
-        details = {k: v for k, v in self.backend.describe().items() if not k.endswith("_dir")}  # no local paths
+        details = {k: v for k, v in self.backend.describe().items() if not k.endswith("_dir")}
+        for key in ("target", "drafter"):  # names only: a local folder is shown by its name, never its path
+            if isinstance(details.get(key), str):
+                details[key] = _public_name(details[key])
         details["chat_template"] = bool(getattr(self.backend, "is_chat_model", True))
         details["tokenizer"] = getattr(self.backend, "tokenizer", True) is not None  # False: token ids, no text
         return {"id": name, "object": "model", "created": self.created, "owned_by": "dflash", "dflash": details}
@@ -183,15 +195,23 @@ class DFlashServer:
             body += piece
             if len(body) > limit:
                 raise P.APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
-        try:
-            return json.loads(body)
-        except (ValueError, UnicodeDecodeError) as e:
+        try:  # pydantic's parser: a depth limit (no RecursionError), strict UTF-8, no lone surrogates, no NaN
+            return pydantic_core.from_json(body, allow_inf_nan=False)
+        except ValueError as e:
             raise P.bad(f"the request body is not valid JSON: {e}", code="invalid_json") from None
 
     def _start(self, req: P.ParsedRequest) -> Any:
-        backend = self.backend
+        backend, metrics = self.backend, self.metrics
+        queued = time.time()
 
         def start(cancel: CancelToken) -> Iterator[DecodeEvent]:
+            wait = time.time() - queued
+            for event in events(cancel):
+                if isinstance(event, Finished):  # counted here, also when nobody reads it (client gone)
+                    metrics.generation(event.reason, event.stats, wait)
+                yield event
+
+        def events(cancel: CancelToken) -> Iterator[DecodeEvent]:
             if req.kind == "chat":
                 return backend.stream_messages(list(req.messages), req.params, req.opts, cancel)
             if req.prompt_ids is not None:
@@ -248,10 +268,6 @@ class DFlashServer:
         finally:
             watcher.cancel()
 
-    def _finished(self, job: Job, event: Finished) -> None:
-        timing = job.timing()
-        self.metrics.generation(event.reason, event.stats, timing["wait_seconds"])
-
     async def _complete(
         self, req: P.ParsedRequest, job: Job, first: DecodeEvent, events: AsyncIterator[DecodeEvent], endpoint: str
     ) -> Response:
@@ -276,7 +292,6 @@ class DFlashServer:
         if done is None:
             self.metrics.request(endpoint, 499)
             return Response(status_code=499)
-        self._finished(job, done)
         self.metrics.request(endpoint, 200)
         body = P.response(req, rid, created, "".join(text), done.reason, done.stats, job.timing())
         return JSONResponse(body)
@@ -295,7 +310,6 @@ class DFlashServer:
             while event is not None:
                 if isinstance(event, Finished):
                     stats = event.stats
-                    self._finished(job, event)
                     ext = {**P.event_ext(event), "queue": job.timing()}
                     yield line(P.chunk(req, rid, created, None, P.FINISH.get(event.reason, "stop"), ext))
                 else:
@@ -318,6 +332,46 @@ class DFlashServer:
         if stats is not None and req.include_usage:
             yield line(P.usage_chunk(req, rid, created, stats))
         yield "data: [DONE]\n\n"
+
+
+ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/models": "models"}
+
+
+class _Contain:
+    """Any exception a handler lets through becomes an OpenAI-style 500, counted in /metrics; its
+    traceback is printed only with DFLASH_DEBUG (Starlette's own handler would re-raise it into the log)."""
+
+    def __init__(self, app: Any, server: DFlashServer) -> None:
+        self.app, self.server = app, server
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def sender(message: Any) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sender)
+        except Exception as exc:  # noqa: BLE001 - the server must keep serving
+            if self.server.config.debug:
+                traceback.print_exception(exc, file=sys.stderr)
+            err = _runtime_error(exc)
+            self.server.metrics.request(ENDPOINTS.get(scope.get("path", ""), "other"), err.status)
+            if not started:
+                await _error(err)(scope, receive, send)
+
+
+def _public_name(name: str) -> str:
+    """A model name without local paths: a folder's last component, a Hub id as it is."""
+    p = Path(name).expanduser()
+    if p.is_absolute() or name.startswith((".", "~")) or p.exists():
+        return p.name or name
+    return name
 
 
 async def _cancel_on_disconnect(request: Request, job: Job) -> None:

@@ -72,6 +72,10 @@ class ServerMetrics:
         self.ttft.observe(stats.ttft_seconds)
         self.queue_wait.observe(wait_seconds)
 
+    def skipped(self) -> None:
+        """A queued generation whose client left before it started: counted as cancelled."""
+        self.generations.labels(reason="cancelled").inc()
+
     def render(self) -> bytes:
         """The text exposition format."""
         return generate_latest(self.registry)

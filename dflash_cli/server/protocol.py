@@ -11,15 +11,20 @@ Extensions (ignored by OpenAI clients):
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from runtime import ConfigError, DecodeOptions, SamplingParams
 from runtime.engine.events import BlockVerified, DecodeEvent, GenerationStats, event_to_json
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024  # each stop string is matched against the text after every step
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 FINISH = {"stop": "stop", "length": "length", "cancelled": "abort"}
 
@@ -55,10 +60,12 @@ class Limits:
     Attributes:
         max_tokens: most new tokens one request may ask for (also the default).
         max_body_bytes: largest request body.
+        max_block_size: largest ``dflash.block_size`` (the drafter's trained block; None: no cap).
     """
 
     max_tokens: int = 4096
     max_body_bytes: int = 4 * 1024 * 1024
+    max_block_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -76,141 +83,171 @@ class ParsedRequest:
     prompt_ids: tuple[int, ...] | None = None
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+# -- request schema (pydantic, strict: "1" is not a number, true is not an integer) -------------
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
+EMPTY_CODES = {"messages": "empty_messages", "prompt": "empty_prompt"}
+_FIELD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
-def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _int(body: dict[str, Any], key: str, lo: int | None = None) -> int | None:
-    v = body.get(key)
-    if v is None:
-        return None
-    if not _is_int(v) or (lo is not None and v < lo):
-        raise bad(f"'{key}' must be an integer" + (f" >= {lo}" if lo is not None else "") + f", got {v!r}", key)
-    return int(v)
-
-
-def _num(body: dict[str, Any], key: str) -> float | None:
-    v = body.get(key)
-    if v is None:
-        return None
-    if not _is_num(v):
-        raise bad(f"'{key}' must be a number, got {v!r}", key)
-    return float(v)
-
-
-def _bool(body: dict[str, Any], key: str, default: bool = False) -> bool:
-    v = body.get(key, default)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise bad(f"'{key}' must be true or false, got {v!r}", key)
-    return v
-
-
-def _text_content(content: Any, where: str) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad(f"{where}: only text content parts are supported", "messages")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise bad(f"{where}: 'content' must be a string or a list of text parts", "messages")
-
-
-def _messages(raw: Any) -> tuple[dict[str, str], ...]:
-    if not isinstance(raw, list) or not raw:
-        raise bad("'messages' must be a non-empty list of {role, content} objects", "messages", "empty_messages")
-    out = []
-    for i, m in enumerate(raw):
-        if not isinstance(m, dict):
-            raise bad(f"messages[{i}] must be an object with 'role' and 'content'", "messages")
-        role = m.get("role")
-        if role not in ROLES:
-            raise bad(f"messages[{i}].role must be one of system, user, assistant (got {role!r})", "messages")
-        if m.get("tool_calls"):
-            raise bad("tool calls are not supported by dflash serve", "messages")
-        out.append({"role": ROLES[role], "content": _text_content(m.get("content"), f"messages[{i}]")})
-    return tuple(out)
-
-
-def _prompt(raw: Any) -> tuple[str | None, tuple[int, ...] | None]:
-    if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], (str, list)):
-        raw = raw[0]  # a batch of one
-    if isinstance(raw, str):
-        if not raw.strip():
-            raise bad("'prompt' is empty", "prompt", "empty_prompt")
-        return raw, None
-    if isinstance(raw, list) and raw and all(_is_int(x) and x >= 0 for x in raw):
-        return None, tuple(int(x) for x in raw)
-    if isinstance(raw, list) and raw and all(isinstance(x, (str, list)) for x in raw):
-        raise bad("batched prompts are not supported: send one prompt per request", "prompt")
-    raise bad("'prompt' must be a non-empty string or a list of token ids", "prompt", "empty_prompt")
-
-
-def _unsupported(body: dict[str, Any]) -> None:
-    if body.get("logprobs") or body.get("top_logprobs"):
-        raise bad("logprobs are not supported by dflash serve", "logprobs")
-    if body.get("echo"):
-        raise bad("'echo' is not supported by dflash serve", "echo")
-    if body.get("suffix"):
-        raise bad("'suffix' (fill-in-the-middle) is not supported by dflash serve", "suffix")
-    if body.get("tools") or body.get("functions"):
-        raise bad("tools and functions are not supported by dflash serve", "tools")
-    for key in ("presence_penalty", "frequency_penalty"):
-        v = body.get(key)
-        if v not in (None, 0, 0.0):
-            raise bad(f"'{key}' is not supported by dflash serve (only 0)", key)
-    if body.get("logit_bias"):
-        raise bad("'logit_bias' is not supported by dflash serve", "logit_bias")
-    n = body.get("n", 1)
-    if n is not None and n != 1:
-        raise bad("only n=1 is supported (the runtime generates one sequence at a time)", "n")
-    best_of = body.get("best_of")
-    if best_of not in (None, 1):
-        raise bad("only best_of=1 is supported", "best_of")
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") not in (None, "text")):
-        raise bad("only response_format {'type': 'text'} is supported", "response_format")
-
-
-def _stop(body: dict[str, Any]) -> tuple[str, ...]:
-    stop = body.get("stop")
-    if stop is None:
-        return ()
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise bad("'stop' must be a non-empty string or a list of non-empty strings", "stop")
-    if len(stop) > MAX_STOP_STRINGS:
-        raise bad(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stop)}", "stop")
-    return tuple(stop)
-
-
-def _decode_options(raw: Any, default: DecodeOptions) -> DecodeOptions:
-    if raw is None:
-        return default
-    if not isinstance(raw, dict):
-        raise bad("'dflash' must be an object like {'decoder': 'ar'}", "dflash")
-    kw: dict[str, Any] = {}
-    for key in ("decoder", "block_size", "verify_length"):
-        if raw.get(key) is not None:
-            v = raw[key]
-            if key != "decoder" and not _is_int(v):
-                raise bad(f"'dflash.{key}' must be an integer, got {v!r}", f"dflash.{key}")
-            kw[key] = v
+def _unicode(text: str) -> str:
+    """Reject lone surrogates (``"\\ud800"``): text must encode as UTF-8."""
     try:
-        return replace(default, **kw)
-    except ConfigError as e:
-        raise bad(str(e), "dflash") from None
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise PydanticCustomError(
+            "invalid_text", "text is not valid Unicode (a lone surrogate at character {pos})", {"pos": e.start}
+        ) from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
+StopText = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+TokenId = Annotated[int, Field(ge=0)]
+
+
+class _Schema(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")  # unknown fields are ignored, as by OpenAI
+
+
+class TextPart(_Schema):
+    """A content part: only text."""
+
+    type: Literal["text"]
+    text: Text
+
+
+class Message(_Schema):
+    """One chat message."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Text | list[TextPart] | None = None
+    tool_calls: Any = None
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _no_tools(cls, v: Any) -> Any:
+        if v:
+            raise PydanticCustomError("unsupported", "tool calls are not supported by dflash serve")
+        return v
+
+    def text(self) -> str:
+        """The content as one string."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class DFlashOptions(BaseModel):
+    """The request's ``dflash`` extension."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    decoder: Literal["dflash", "ar"] | None = None
+    block_size: Annotated[int, Field(ge=1)] | None = None
+    verify_length: Annotated[int, Field(ge=0)] | None = None
+
+
+class StreamOptions(_Schema):
+    """``stream_options``."""
+
+    include_usage: bool | None = None
+
+
+class _Request(_Schema):
+    model: Text | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)] | None = None
+    top_p: Annotated[float, Field(allow_inf_nan=False)] | None = None
+    top_k: int | None = None
+    seed: Annotated[int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])] | None = None
+    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool | None = None
+    dflash: DFlashOptions | None = None
+    # OpenAI fields dflash serve does not support: accepted only at their neutral values
+    logprobs: Any = None
+    top_logprobs: Any = None
+    echo: Any = None
+    suffix: Any = None
+    tools: Any = None
+    functions: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    logit_bias: Any = None
+    n: Any = None
+    best_of: Any = None
+    response_format: Any = None
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> _Request:
+        checks = [
+            ("logprobs", bool(self.logprobs or self.top_logprobs), "logprobs are not supported by dflash serve"),
+            ("echo", bool(self.echo), "'echo' is not supported by dflash serve"),
+            ("suffix", bool(self.suffix), "'suffix' (fill-in-the-middle) is not supported by dflash serve"),
+            ("tools", bool(self.tools or self.functions), "tools and functions are not supported by dflash serve"),
+            ("logit_bias", bool(self.logit_bias), "'logit_bias' is not supported by dflash serve"),
+            ("n", self.n not in (None, 1), "only n=1 is supported (the runtime generates one sequence at a time)"),
+            ("best_of", self.best_of not in (None, 1), "only best_of=1 is supported"),
+        ]
+        for key in ("presence_penalty", "frequency_penalty"):
+            checks.append((key, getattr(self, key) not in (None, 0, 0.0), f"'{key}' is not supported (only 0)"))
+        fmt = self.response_format
+        bad_fmt = fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") not in (None, "text"))
+        checks.append(("response_format", bad_fmt, "only response_format {'type': 'text'} is supported"))
+        for key, failed, message in checks:
+            if failed:
+                raise APIError(400, message, param=key)
+        return self
+
+
+class ChatRequest(_Request):
+    """A ``/v1/chat/completions`` body."""
+
+    messages: Annotated[list[Message], Field(min_length=1)]
+
+
+class CompletionRequest(_Request):
+    """A ``/v1/completions`` body (``prompt``: text, token ids, or a batch of one)."""
+
+    prompt: Text | Annotated[list[TokenId], Field(min_length=1)] | list[Text] | list[list[TokenId]]
+
+    @field_validator("prompt")
+    @classmethod
+    def _one(cls, v: Any) -> Any:
+        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
+            if len(v) != 1:
+                raise PydanticCustomError("batch", "batched prompts are not supported: send one prompt per request")
+            v = v[0]
+        if isinstance(v, str) and not v.strip():
+            raise PydanticCustomError("empty", "must not be empty")
+        if isinstance(v, list) and not v:
+            raise PydanticCustomError("empty", "must be a non-empty string or a list of token ids")
+        return v
+
+
+def _validation_error(e: ValidationError) -> APIError:
+    """The most specific problem of a pydantic error as an OpenAI-style 400."""
+
+    def path(err: Any) -> list[str]:  # field names and indices; union member tags dropped
+        return [str(x) for x in err["loc"] if isinstance(x, int) or _FIELD.fullmatch(str(x))]
+
+    errors = e.errors(include_url=False)
+    err = max(errors, key=lambda x: (len(path(x)), not x["type"].endswith("_type")))
+    loc = path(err)
+    if not loc:
+        return bad("the request body must be a JSON object")
+    top = loc[0]
+    param = ".".join(loc[:2]) if top == "dflash" and len(loc) > 1 else top
+    where = "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in loc).lstrip(".")
+    code = EMPTY_CODES.get(top) if err["type"] in ("missing", "too_short", "empty") and len(loc) == 1 else None
+    given = err.get("input")
+    custom = err["type"] in ("unsupported", "batch", "empty", "invalid_text", "missing")
+    shown = "" if custom or given is None else f" (got {given!r:.60})"
+    return bad(f"'{where}': {err['msg']}{shown}", param, code)
 
 
 def parse_request(
@@ -218,16 +255,20 @@ def parse_request(
 ) -> ParsedRequest:
     """Validate a ``/v1/chat/completions`` (kind "chat") or ``/v1/completions`` body.
 
+    Structure and types are checked by the pydantic schema (``ChatRequest``/``CompletionRequest``);
+    limits of this server (``max_tokens``, ``max_block_size``) and the runtime's own checks follow.
+
     Raises:
         APIError: 400 for malformed or unsupported fields, 404 for an unknown model.
     """
-    if not isinstance(body, dict):
-        raise bad("the request body must be a JSON object")
-    model = body.get("model")
-    if model is None or model == "":
-        model = served[0]
-    if not isinstance(model, str):
-        raise bad("'model' must be a string", "model")
+    schema = ChatRequest if kind == "chat" else CompletionRequest
+    if isinstance(body, dict) and kind == "chat" and body.get("messages") in (None, []):
+        raise bad("'messages' must be a non-empty list of {role, content} objects", "messages", "empty_messages")
+    try:
+        r = schema.model_validate(body)
+    except ValidationError as e:
+        raise _validation_error(e) from None
+    model = r.model or served[0]
     if model not in served:
         raise APIError(
             404,
@@ -235,47 +276,35 @@ def parse_request(
             param="model",
             code="model_not_found",
         )
-    _unsupported(body)
     messages: tuple[dict[str, str], ...] = ()
     prompt: str | None = None
     prompt_ids: tuple[int, ...] | None = None
-    if kind == "chat":
-        messages = _messages(body.get("messages"))
+    if isinstance(r, ChatRequest):
+        messages = tuple({"role": ROLES[m.role], "content": m.text()} for m in r.messages)
     else:
-        prompt, prompt_ids = _prompt(body.get("prompt"))
-    max_tokens = _int(body, "max_completion_tokens", 1)
-    if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", 1)
-    if max_tokens is None:
-        max_tokens = limits.max_tokens
+        assert isinstance(r, CompletionRequest)
+        if isinstance(r.prompt, str):
+            prompt = r.prompt
+        else:
+            prompt_ids = tuple(int(x) for x in r.prompt)  # type: ignore[arg-type]
+    max_tokens = r.max_completion_tokens or r.max_tokens or limits.max_tokens
     if max_tokens > limits.max_tokens:
         raise bad(
             f"max_tokens is {max_tokens} but this server allows at most {limits.max_tokens} new tokens per request",
             "max_tokens",
             "max_tokens_exceeded",
         )
-    temperature = _num(body, "temperature")
-    if temperature is not None and not 0.0 <= temperature <= 2.0:
-        raise bad(f"'temperature' must be in [0, 2], got {temperature}", "temperature")
-    top_k = _int(body, "top_k")
-    stop_ids = body.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or not all(_is_int(i) and i >= 0 for i in stop_ids):
-        raise bad("'stop_token_ids' must be a list of token ids", "stop_token_ids")
-    seed = _int(body, "seed")
-    stream = _bool(body, "stream")
-    opts = body.get("stream_options") or {}
-    if not isinstance(opts, dict):
-        raise bad("'stream_options' must be an object", "stream_options")
+    stop = (r.stop,) if isinstance(r.stop, str) else tuple(r.stop or ())
     try:
         params = SamplingParams(
-            temperature=1.0 if temperature is None else temperature,
-            top_k=None if top_k is None or top_k < 0 else top_k,
-            top_p=_num(body, "top_p"),
-            seed=0 if seed is None else seed,
+            temperature=1.0 if r.temperature is None else r.temperature,
+            top_k=None if r.top_k is None or r.top_k < 0 else r.top_k,
+            top_p=r.top_p,
+            seed=0 if r.seed is None else r.seed,
             max_new_tokens=max_tokens,
-            stop_token_ids=tuple(stop_ids),
-            stop_strings=_stop(body),
-            ignore_eos=_bool(body, "ignore_eos"),
+            stop_token_ids=tuple(r.stop_token_ids or ()),
+            stop_strings=stop,
+            ignore_eos=bool(r.ignore_eos),
         )
     except ConfigError as e:
         raise bad(str(e)) from None
@@ -283,13 +312,31 @@ def parse_request(
         kind=kind,
         model=model,
         params=params,
-        opts=_decode_options(body.get("dflash"), default_opts),
-        stream=stream,
-        include_usage=_bool(opts, "include_usage"),
+        opts=_decode_options(r.dflash, default_opts, limits),
+        stream=bool(r.stream),
+        include_usage=bool(r.stream_options and r.stream_options.include_usage),
         messages=messages,
         prompt=prompt,
         prompt_ids=prompt_ids,
     )
+
+
+def _decode_options(raw: DFlashOptions | None, default: DecodeOptions, limits: Limits) -> DecodeOptions:
+    if raw is None:
+        return default
+    kw = {k: v for k, v in raw.model_dump().items() if v is not None}
+    cap = limits.max_block_size
+    if cap is not None and kw.get("block_size", 0) > cap:
+        raise bad(
+            f"'dflash.block_size' is {kw['block_size']} but this server's drafter was trained for blocks of at "
+            f"most {cap} tokens; send a block_size of 1..{cap}",
+            "dflash.block_size",
+            "block_size_exceeded",
+        )
+    try:
+        return replace(default, **kw)
+    except ConfigError as e:
+        raise bad(str(e), "dflash") from None
 
 
 # -- responses ---------------------------------------------------------------------------------

@@ -80,11 +80,18 @@ class GenerationQueue:
     Args:
         max_waiting: jobs allowed to wait behind the running one; more raise ``QueueFullError``.
         on_change: called (on any thread) with (waiting, running) whenever they change.
+        on_skip: called (on the worker thread) for a job cancelled before it started.
     """
 
-    def __init__(self, max_waiting: int, on_change: Callable[[int, int], None] | None = None) -> None:
+    def __init__(
+        self,
+        max_waiting: int,
+        on_change: Callable[[int, int], None] | None = None,
+        on_skip: Callable[[], None] | None = None,
+    ) -> None:
         self.max_waiting = max_waiting
         self.on_change = on_change
+        self.on_skip = on_skip
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
         self._waiting = 0
@@ -126,6 +133,8 @@ class GenerationQueue:
                 if not job.cancel.cancelled:
                     for event in job.start(job.cancel):
                         job._put(event)
+                elif self.on_skip is not None:
+                    self.on_skip()
             except BaseException as e:  # noqa: BLE001 - handed to the request handler
                 job._put(e)
             finally:
@@ -134,6 +143,16 @@ class GenerationQueue:
                     self._running = None
                     self._changed()
                 job._put(_END)
+
+    def cancel_all(self) -> None:
+        """Cancel the running job (it stops after its current step) and every waiting one (skipped)."""
+        with self._lock:
+            if self._running is not None:
+                self._running.cancel.cancel()
+            with self._jobs.mutex:
+                waiting = [j for j in self._jobs.queue if j is not None]
+        for job in waiting:
+            job.cancel.cancel()
 
     def close(self) -> None:
         """Cancel what is running or waiting and stop the worker."""

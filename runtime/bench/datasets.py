@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from runtime.errors import ConfigError, InputError
+from runtime.textio import decode_utf8
 
 PromptMode = Literal["raw", "chat", "auto"]
 ASSETS = Path(__file__).resolve().parent.parent / "assets" / "prompts"
@@ -210,10 +211,10 @@ def load_prompt_file(path: str | Path) -> PromptSet:
     """
     p = Path(path).expanduser()
     try:
-        raw = p.read_text(encoding="utf-8")
+        raw = decode_utf8(p.read_bytes(), f"prompt file {p}")
     except FileNotFoundError:
         raise InputError(f"prompt file {p} does not exist") from None
-    except (OSError, UnicodeDecodeError) as e:
+    except OSError as e:
         raise InputError(f"cannot read prompt file {p}: {e}") from None
     prompts: list[Prompt] = []
     if p.suffix.lower() in (".jsonl", ".json", ".ndjson"):

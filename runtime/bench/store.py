@@ -18,6 +18,7 @@ from typing import Any
 from runtime.errors import DFlashError, InputError
 
 SCHEMA_VERSION = 1
+LOCK_TIMEOUT = 10.0  # seconds to wait for another process's lock
 _DDL = """
 CREATE TABLE IF NOT EXISTS runs (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -73,32 +74,56 @@ class BenchStore:
         path: database file (created with its folder on first write).
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, lock_timeout: float = LOCK_TIMEOUT) -> None:
         self.path = Path(path)
+        self.lock_timeout = lock_timeout
 
     @contextmanager
     def _connect(self, create: bool) -> Iterator[sqlite3.Connection]:
+        """A connection: read-only for reads (no schema change, no write lock), read-write to save."""
         if not create and not self.path.exists():
             raise InputError(f"no bench runs recorded yet ({self.path} does not exist); run `dflash bench` first")
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with closing(sqlite3.connect(self.path)) as con:
+            if create:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                con = sqlite3.connect(self.path, timeout=self.lock_timeout)
+            else:
+                uri = self.path.resolve().as_uri() + "?mode=ro"
+                con = sqlite3.connect(uri, uri=True, timeout=self.lock_timeout)
+            with closing(con):
                 con.execute("PRAGMA foreign_keys = ON")
                 version = con.execute("PRAGMA user_version").fetchone()[0]
                 if version > SCHEMA_VERSION:
                     raise DFlashError(
                         f"bench history {self.path} was written by a newer dflash (schema {version}); upgrade dflash"
                     )
-                con.executescript(_DDL)
-                con.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+                if create:  # schema changes only when writing
+                    con.executescript(_DDL)
+                    con.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+                elif not con.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'runs'").fetchone():
+                    con.executescript(_DDL.replace("CREATE TABLE", "CREATE TEMP TABLE"))  # empty: nothing saved yet
                 with con:
                     yield con
+        except sqlite3.OperationalError as e:
+            if "locked" in str(e) or "busy" in str(e):
+                raise DFlashError(
+                    f"bench history {self.path} is locked by another process (waited {self.lock_timeout:g} s); "
+                    "try again when it has finished"
+                ) from None
+            raise self._unreadable(e, create) from None
         except sqlite3.DatabaseError as e:
-            raise DFlashError(
-                f"bench history {self.path} is unreadable ({e}); move it away to start a new history"
-            ) from None
+            raise self._unreadable(e, create) from None
         except OSError as e:
             raise DFlashError(f"cannot open bench history {self.path}: {e}") from None
+
+    def _unreadable(self, e: Exception, create: bool) -> DFlashError:
+        if create and ("readonly" in str(e) or "read-only" in str(e)):
+            return DFlashError(f"cannot save to bench history {self.path}: it is read-only ({e})")
+        if "unable to open" in str(e):
+            return DFlashError(f"cannot open bench history {self.path} ({e}); check its permissions")
+        return DFlashError(
+            f"bench history {self.path} is unreadable ({e}); dflash leaves it as it is: move it away to start a new one"
+        )
 
     def save(self, document: dict[str, Any], label: str | None = None) -> int:
         """Store a run's JSON document; returns its run id (also written into ``document``)."""

@@ -4,6 +4,13 @@
 forward, relative to a one-token target forward. ``cached_costs`` keeps the result in a JSON file
 (keyed by model, device, dtype, threads and torch version) so that only the first run pays the
 few seconds it takes.
+
+A measurement taken while the machine is busy can be nonsense (3 drafts cheaper than 1), and a
+cached one would mislead every later run. So a measurement is cached only when it is trustworthy
+(``untrustworthy``: longer verifies not cheaper than shorter ones beyond noise, repetitions that
+agree, close to an earlier measurement); otherwise it is repeated, and if it never settles it is
+used for this run only, made monotone. A cached entry that fails the same check is measured again.
+The decoder also learns the real step costs while it runs (``verify_length.AdaptiveVerifyLength``).
 """
 
 from __future__ import annotations
@@ -27,6 +34,48 @@ class VerifyCosts:
     verify: tuple[float, ...]
     draft: float
     one_token_seconds: float
+    spread: float = 0.0  # largest (max - min) / median over the repetitions of one length
+
+
+# Beyond these a measurement is not trusted (not cached): a longer verify measured cheaper than a
+# shorter one by more than NOISE, repetitions spread by more than SPREAD, or a cost more than FAR
+# (relative) away from an earlier measurement of the same setup.
+NOISE = 0.15
+SPREAD = 0.35
+FAR = 0.5
+ATTEMPTS = 3
+
+
+def untrustworthy(costs: VerifyCosts, previous: VerifyCosts | None = None) -> str | None:
+    """Why a measurement should not be trusted, or None.
+
+    Args:
+        costs: the measurement.
+        previous: an earlier measurement of the same setup, if any.
+    """
+    v = costs.verify
+    if not v or any(not (x > 0) for x in v) or not costs.draft >= 0:
+        return "non-positive costs"
+    for i in range(len(v)):
+        for j in range(i + 1, len(v)):
+            if v[j] < v[i] * (1 - NOISE):
+                return f"verifying {j + 1} tokens measured cheaper than {i + 1} ({v[j]:.2f} < {v[i]:.2f})"
+    if costs.spread > SPREAD:
+        return f"repetitions disagree by {costs.spread:.0%}"
+    if previous is not None and len(previous.verify) == len(v):
+        far = max(abs(a - b) / b for a, b in zip(v, previous.verify, strict=True))
+        if far > FAR:
+            return f"{far:.0%} away from the earlier measurement"
+    return None
+
+
+def monotone(costs: VerifyCosts) -> VerifyCosts:
+    """The measurement with each verify cost raised to the largest shorter one (longer is never cheaper)."""
+    out, top = [], 0.0
+    for x in costs.verify:
+        top = max(top, x)
+        out.append(round(top, 4))
+    return VerifyCosts(tuple(out), costs.draft, costs.one_token_seconds, costs.spread)
 
 
 def _sync(device: torch.device) -> None:
@@ -56,6 +105,8 @@ def measure_costs(pipeline: Any, context: int = 96, reps: int = 3) -> VerifyCost
     cache = target.new_cache()
     _, feats = target.forward(prompt, cache, logits_to_keep=1, capture=drafter is not None)
 
+    spreads: list[float] = []
+
     def timed(fn: Any) -> float:
         samples = []
         for _ in range(reps + 1):  # first call warms up
@@ -64,7 +115,10 @@ def measure_costs(pipeline: Any, context: int = 96, reps: int = 3) -> VerifyCost
             fn()
             _sync(device)
             samples.append(time.perf_counter() - t0)
-        return statistics.median(samples[1:])
+        kept = samples[1:]
+        mid = statistics.median(kept)
+        spreads.append((max(kept) - min(kept)) / mid if mid > 0 else 0.0)
+        return mid
 
     times = []
     for n in range(1, b + 1):
@@ -92,7 +146,7 @@ def measure_costs(pipeline: Any, context: int = 96, reps: int = 3) -> VerifyCost
 
         draft_rel = timed(draft) / times[0]
     base = times[0]
-    return VerifyCosts(tuple(round(t / base, 4) for t in times), round(draft_rel, 4), base)
+    return VerifyCosts(tuple(round(t / base, 4) for t in times), round(draft_rel, 4), base, round(max(spreads), 4))
 
 
 def cache_key(pipeline: Any) -> str:
@@ -112,12 +166,12 @@ def cache_key(pipeline: Any) -> str:
 
 
 def cached_costs(pipeline: Any, cache_file: Path, remeasure: bool = False) -> VerifyCosts:
-    """Costs from ``cache_file`` or measured now (and stored).
+    """Costs from ``cache_file`` or measured now (and stored only when trustworthy).
 
     Args:
         pipeline: loaded pipeline.
         cache_file: JSON file holding earlier measurements.
-        remeasure: ignore a stored measurement.
+        remeasure: ignore a stored measurement (it is still the reference a new one is checked against).
     """
     key = cache_key(pipeline)
     data: dict[str, Any] = {}
@@ -126,10 +180,24 @@ def cached_costs(pipeline: Any, cache_file: Path, remeasure: bool = False) -> Ve
             data = json.loads(cache_file.read_text())
         except (OSError, json.JSONDecodeError):
             data = {}
-    if key in data and not remeasure:
-        v = data[key]
-        return VerifyCosts(tuple(v["verify"]), float(v["draft"]), float(v["one_token_seconds"]))
-    costs = measure_costs(pipeline)
+    stored = _entry(data.get(key))
+    if stored is not None and untrustworthy(stored) is not None:
+        stored = None  # a poisoned entry (measured on a busy machine by an older dflash): measure again
+    if stored is not None and not remeasure:
+        return stored
+    attempts: list[VerifyCosts] = []
+    for _ in range(ATTEMPTS):
+        costs = measure_costs(pipeline)
+        attempts.append(costs)
+        if untrustworthy(costs, stored) is None:
+            break
+        # far from the earlier measurement but agreeing with the one just before: the machine changed
+        if len(attempts) > 1 and untrustworthy(costs, attempts[-2]) is None:
+            break
+    else:
+        # never settled (a busy machine): use the calmest attempt for this run only, never cache it
+        calm = min(attempts, key=lambda c: c.spread)
+        return stored if stored is not None else monotone(calm)
     data[key] = asdict(costs)
     try:  # the cache is an optimisation: an unwritable home only means measuring again next time
         cache_file.parent.mkdir(parents=True, exist_ok=True)
@@ -139,3 +207,15 @@ def cached_costs(pipeline: Any, cache_file: Path, remeasure: bool = False) -> Ve
     except OSError:
         pass
     return costs
+
+
+def _entry(v: Any) -> VerifyCosts | None:
+    try:
+        return VerifyCosts(
+            tuple(float(x) for x in v["verify"]),
+            float(v["draft"]),
+            float(v["one_token_seconds"]),
+            float(v.get("spread", 0.0)),
+        )
+    except (TypeError, KeyError, ValueError):
+        return None

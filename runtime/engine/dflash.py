@@ -27,6 +27,7 @@ from runtime.engine.events import (
     TokenEvent,
     TokenStatus,
 )
+from runtime.engine.guards import ensure_finite_logits
 from runtime.engine.kv_cache import DraftKVCache
 from runtime.engine.linear import FusedLinear
 from runtime.engine.sampling import sample
@@ -230,6 +231,7 @@ class DFlashDecoder:
             self._positions = torch.arange(room + self.block_size, device=device)
         ids = torch.tensor([prompt], dtype=torch.long, device=device)  # [1, P]
         logits, feats = target.forward(ids, t_cache, logits_to_keep=1, capture=self.drafter is not None)
+        ensure_finite_logits(logits[-1:], target)  # garbage weights: exit 4 naming the folder, not `0 0 0 ...`
         anchor = sample(logits[-1:], params, gen)  # [1], stays on the device
         first = int(anchor.item())
         _sync(device)
@@ -281,7 +283,7 @@ class DFlashDecoder:
             anchor = posterior[a : a + 1]  # the bonus token, already on the device
             committed.extend(new_ids)
             rec.step(drafted=k, accepted=a, committed=len(events), planned=planned)
-            self.verify.observe(k, a)
+            self.verify.observe(k, a, time.perf_counter() - t_step)  # the step's time: costs learnt as it runs
             # accepted drafts are shown as the committed tokens' text; decode only the rejected ones
             rejected_text = tuple(asm.decode_one(t) for t in draft_list[a:]) if self.tokenizer is not None else ()
             shown = tuple(events[i].text if i < len(events) else "" for i in range(a))

@@ -24,7 +24,7 @@ from torch import nn
 
 from runtime.config import DFlashConfig
 from runtime.engine.kv_cache import DraftKVCache
-from runtime.errors import ModelLoadError
+from runtime.errors import ConfigError, ModelLoadError
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -68,8 +68,29 @@ class DraftModelConfig:
     raw: dict[str, Any]
 
     @classmethod
-    def from_dict(cls, cfg: dict[str, Any]) -> DraftModelConfig:
-        """Parse a drafter config.json dict (``dflash_config`` nested or at top level)."""
+    def from_dict(cls, cfg: dict[str, Any], source: Path | str | None = None) -> DraftModelConfig:
+        """Parse a drafter config.json dict (``dflash_config`` nested or at top level).
+
+        Args:
+            cfg: the parsed config.json.
+            source: the file it came from, named in every error.
+
+        Raises:
+            ModelLoadError: a required field is missing or malformed.
+            ConfigError: a value is out of range (e.g. ``block_size: 0``).
+        """
+        try:
+            return cls._parse(cfg)
+        except (ConfigError, ModelLoadError) as e:
+            if source is None:
+                raise
+            raise type(e)(f"{source}: {e}") from None
+        except (KeyError, TypeError, ValueError) as e:
+            where = f"{source}" if source is not None else "drafter config.json"
+            raise ModelLoadError(f"{where}: a field is missing or malformed ({type(e).__name__}: {e})") from None
+
+    @classmethod
+    def _parse(cls, cfg: dict[str, Any]) -> DraftModelConfig:
         try:
             n_layers = int(cfg["num_hidden_layers"])
             hidden = int(cfg["hidden_size"])
@@ -394,7 +415,7 @@ def load_draft_model(
         raw = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as e:
         raise ModelLoadError(f"{cfg_path} is not valid JSON ({e})") from e
-    config = DraftModelConfig.from_dict(raw)
+    config = DraftModelConfig.from_dict(raw, cfg_path)
     model = DFlashDraftModel(config)
     state = _normalise_keys(read_safetensors(folder))
     vocab_ids = state.pop("draft_vocab_ids", None)

@@ -147,16 +147,73 @@ class QuantizeResult:
         return d
 
 
-def _check_out(out: Path, sources: list[Path], force: bool) -> None:
-    out = out.expanduser()
+MARKER = ".dflash-quantized"  # written into every folder `dflash quantize` saves; --force replaces only those
+
+
+def _protected(out: Path) -> str | None:
+    """Why ``out`` may never be replaced (None: it may be, with a marker and --force)."""
+    cwd, home = Path.cwd().resolve(), Path.home().resolve()
+    if out == Path(out.anchor):
+        return "it is the root folder"
+    if out == cwd or out in cwd.parents:
+        return "it is the current folder or one of its parents"
+    if out == home or out in home.parents:
+        return "it is your home folder or one of its parents"
+    return None
+
+
+def _writable_ancestor(path: Path) -> Path:
+    """The nearest existing folder at or above ``path``."""
+    p = path
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def _check_out(out: Path, sources: list[Path], force: bool) -> Path:
+    """Check ``--out`` before anything loads; returns it resolved (absolute, no ``..``).
+
+    Raises:
+        ConfigError: ``out`` overlaps a source, is not a folder, is non-empty without --force, is
+            not a folder dflash wrote (no marker) with --force, is protected (cwd, a parent, home,
+            root) or cannot be written.
+    """
+    shown = out
+    out = out.expanduser().resolve()
+    why = _protected(out)
+    if why is not None:
+        raise ConfigError(f"--out {shown} cannot be used: {why}; name a new folder such as --out ./quantized")
     for src in sources:
-        s, o = src.resolve(), out.resolve()
-        if o == s or s in o.parents or o in s.parents:
-            raise ConfigError(f"--out {out} overlaps the model it quantizes ({src}); choose another folder")
+        s = src.resolve()
+        if out == s or s in out.parents or out in s.parents:
+            raise ConfigError(f"--out {shown} overlaps the model it quantizes ({src}); choose another folder")
     if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} exists and is not a folder")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise ConfigError(f"--out {out} exists and is not empty; pass --force to replace it")
+        raise ConfigError(f"--out {shown} exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()):
+        if not force:
+            raise ConfigError(f"--out {shown} exists and is not empty; pass --force to replace it")
+        if not (out / MARKER).is_file():
+            raise ConfigError(
+                f"--out {shown} is not a folder written by dflash quantize (no {MARKER} file); --force replaces "
+                "only those: choose a new or empty folder"
+            )
+    base = _writable_ancestor(out.parent)
+    if not base.is_dir() or not os.access(base, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out {shown}: cannot write in {base} (permission denied); choose another folder")
+    return out
+
+
+def _replace_folder(tmp: Path, out: Path) -> None:
+    """Move the finished ``tmp`` to ``out``; an old ``out`` (checked: a dflash folder) goes only after."""
+    if not out.exists():
+        tmp.rename(out)
+        return
+    if any(out.iterdir()) and not (out / MARKER).is_file():  # re-checked: never delete a foreign folder
+        raise ConfigError(f"--out {out} changed while quantizing and is not a dflash folder; nothing was replaced")
+    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    out.rename(old)
+    tmp.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _check_logits(model: Any, ids: list[int]) -> torch.Tensor:
@@ -223,8 +280,7 @@ def quantize_pair(
     ensure_float_model(pair.target_dir, "target")
     if req.quantize_drafter and pair.drafter_dir is not None:
         ensure_float_model(pair.drafter_dir, "drafter")
-    out = req.out.expanduser()
-    _check_out(out, [p for p in (pair.target_dir, pair.drafter_dir) if p is not None], req.force)
+    out = _check_out(req.out, [p for p in (pair.target_dir, pair.drafter_dir) if p is not None], req.force)
 
     # 2. the unquantized pair (and its measurements); import the model code first so that the two
     #    load times compare loading, not Python imports
@@ -271,9 +327,8 @@ def quantize_pair(
             save_quantized_target(model, pair.target_dir, tmp, spec.name, source, default_drafter)
             save_s += time.perf_counter() - t
         reference = _check_logits(model, check_ids)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
+        (tmp / MARKER).write_text(f"written by dflash quantize ({spec.name}); dflash quantize --force may replace it\n")
+        _replace_folder(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -38,6 +38,7 @@ from runtime.train.model_init import (
     target_has_attention_bias,
 )
 from runtime.train.prompts import TrainPrompt, build_prompts
+from runtime.train.state import load_trainer_state
 from runtime.train.trainer import ShardDataset, TrainConfig, Trainer, dataset_meta, iter_shards
 
 Progress = Callable[[dict[str, Any]], None]
@@ -307,7 +308,7 @@ def fit(
         drafter = load_draft_model(ckpt, "cpu", torch.float32)
         cfg = dict(drafter.config.raw)
         if config is None:
-            saved = dict(torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=False)["config"])
+            saved = dict(load_trainer_state(ckpt)["config"])
             saved["betas"] = tuple(saved["betas"])
             config = TrainConfig(**saved)
     else:
@@ -464,7 +465,7 @@ def export(out_dir: Path, evaluation: dict[str, Any] | None, card: str) -> Path:
     dconf = dict(raw.get("dflash_config") or {})
     if evaluation and evaluation.get("conditional_acceptance"):
         dconf["acceptance_conditional"] = evaluation["conditional_acceptance"]
-    blob = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=False)
+    blob = load_trainer_state(ckpt)
     # what bench's pitfall checks read: training length, feature dtype, thinking mode
     extra: dict[str, Any] = {
         "dflash_config": dconf,

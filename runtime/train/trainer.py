@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from runtime.engine.drafter import DFlashDraftModel, load_draft_model, save_draft_model
 from runtime.errors import ConfigError
 from runtime.train.data import Shard, load_shard
+from runtime.train.state import load_trainer_state, save_trainer_state
 
 Progress = Callable[[dict[str, Any]], None]
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -587,15 +588,7 @@ class Trainer:
 
             shutil.rmtree(tmp)
         save_draft_model(self.drafter, tmp, extra_config)
-        torch.save(
-            {
-                "optimizer": self.opt.state_dict(),
-                "state": asdict(self.state),
-                "config": asdict(self.cfg),
-                "rng": self.rng.getstate(),
-            },
-            tmp / "trainer_state.pt",
-        )
+        save_trainer_state(tmp, self.opt.state_dict(), asdict(self.state), asdict(self.cfg), self.rng.getstate())
         if ckpt.exists():
             import shutil
 
@@ -613,7 +606,7 @@ class Trainer:
         """
         loaded = load_draft_model(ckpt, self.device, torch.float32)
         self.drafter.load_state_dict(loaded.state_dict(), strict=False)
-        blob = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=False)
+        blob = load_trainer_state(ckpt)  # never unpickles: safetensors + JSON
         self.opt.load_state_dict(blob["optimizer"])
         self.state = TrainState(**blob["state"])
         self.rng.setstate(blob["rng"])
