@@ -461,7 +461,9 @@ def test_cli_train_soft_target_init_auto_vocab(tiny, tmp_path, monkeypatch):
     card = (out / "drafter" / "README.md").read_text()
     assert "initialisation: target (target layers [3]" in card and "labels: soft" in card
     assert "auto: smallest N with held-out OOV share <= 1.0%" in card
-    state = torch.load(out / "checkpoint" / "trainer_state.pt", weights_only=False)
+    from runtime.train.state import load_trainer_state
+
+    state = load_trainer_state(out / "checkpoint")
     assert state["config"]["distill"] == "soft" and state["config"]["soft_weight"] == 0.6
     bad = CliRunner().invoke(app, ["train", "--out", str(tmp_path / "x"), "--steps", "1", "--draft-vocab", "lots"])
     assert bad.exit_code == 2 and "--draft-vocab" in bad.output

@@ -226,6 +226,10 @@ def generate_dataset(
         All shard paths, in order.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
+    if type(target) is not TargetModel:
+        # batched, padded generation runs transformers' own forward (hooks on the taps), whatever
+        # forward the pipeline decodes with (the lean one has a batch-1 static cache)
+        target = TargetModel(target.model)
     target.set_taps(taps)
     encoded = [(encode_prompt(tokenizer, p.text, p.chat, getattr(p, "messages", None)), p) for p in prompts]
     encoded = [(ids, p) for ids, p in encoded if 0 < len(ids) <= max_prompt_tokens]
