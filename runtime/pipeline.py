@@ -9,13 +9,14 @@ CLI, the TUI, bench and the server make.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from runtime.backend import Capabilities
 from runtime.config import DecodeOptions, RuntimeConfig, SamplingParams
 from runtime.engine import AutoregressiveDecoder, CancelToken, Decoder, DFlashDecoder
 from runtime.engine.calibrate import VerifyCosts
@@ -251,13 +252,13 @@ class Pipeline:
             return self.encode_messages(messages)
         return list(self.tokenizer.encode(text, add_special_tokens=True))
 
-    def encode_messages(self, messages: Sequence[dict[str, str]]) -> list[int]:
+    def encode_messages(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
         """Apply the chat template (thinking off) to a conversation and tokenise it."""
         if not self.is_chat_model:
             raise InputError(f"target {self.pair.target_name} has no chat template; use raw mode (--raw)")
         assert self.tokenizer is not None
         text = self.tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=True, enable_thinking=False
+            [dict(m) for m in messages], tokenize=False, add_generation_prompt=True, enable_thinking=False
         )
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
@@ -330,37 +331,47 @@ class Pipeline:
             stop_token_ids=self.stop_token_ids,
         )
 
+    @property
+    def capabilities(self) -> Capabilities:
+        """What this pipeline's events and inputs carry (the ``Backend`` protocol)."""
+        return Capabilities(
+            per_token_origin=True, tokenizer=self.tokenizer is not None, chat_template=self.is_chat_model
+        )
+
     def stream(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        opts: DecodeOptions | None = None,
+        cancel: CancelToken | None = None,
+        *,
+        chat: bool | None = None,
+        system: str | None = None,
+    ) -> Iterator[DecodeEvent]:
+        """Generate from text (encoded with ``encode``) or token ids with a fresh decoder; see
+        ``Decoder.stream`` (the ``Backend`` protocol)."""
+        ids = self.encode(prompt, chat=chat, system=system) if isinstance(prompt, str) else prompt
+        return self.stream_ids(ids, params, opts, cancel)
+
+    def stream_ids(
         self,
         prompt_ids: Sequence[int],
         params: SamplingParams,
         opts: DecodeOptions | None = None,
         cancel: CancelToken | None = None,
     ) -> Iterator[DecodeEvent]:
-        """Generate from token ids with a fresh decoder; see ``Decoder.stream``."""
+        """Generate from token ids as they are; the ``Backend`` protocol."""
         return self.make_decoder(opts).stream(prompt_ids, params, cancel)
-
-    def stream_prompt(
-        self,
-        text: str,
-        params: SamplingParams,
-        opts: DecodeOptions | None = None,
-        cancel: CancelToken | None = None,
-        chat: bool | None = None,
-        system: str | None = None,
-    ) -> Iterator[DecodeEvent]:
-        """Encode ``text`` (see ``encode``) and stream; the ``Backend`` protocol."""
-        return self.stream(self.encode(text, chat=chat, system=system), params, opts, cancel)
 
     def stream_messages(
         self,
-        messages: Sequence[dict[str, str]],
+        messages: Sequence[Mapping[str, str]],
         params: SamplingParams,
         opts: DecodeOptions | None = None,
         cancel: CancelToken | None = None,
     ) -> Iterator[DecodeEvent]:
         """Apply the chat template to a conversation and stream; the ``Backend`` protocol."""
-        return self.stream(self.encode_messages(messages), params, opts, cancel)
+        return self.stream_ids(self.encode_messages(messages), params, opts, cancel)
 
     def describe(self) -> dict[str, Any]:
         """Names, device and dtype for display and bench records."""

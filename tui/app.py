@@ -199,7 +199,7 @@ class ChatApp(App[None]):
         except Exception:
             self.model_info = {}
         try:
-            self.per_token_status = bool(getattr(message.backend, "per_token_status", True))
+            self.per_token_status = message.backend.capabilities.per_token_origin
         except Exception:
             self.per_token_status = False
         self.query_one(Legend).refresh()
@@ -329,8 +329,7 @@ class ChatApp(App[None]):
             f"{tracker.generated_tokens} tok · {tracker.tokens_per_second:.1f} tok/s"
             f" · TTFT {tracker.ttft_seconds * 1000:.0f} ms"
         )
-        drafted = tracker.final.drafted_tokens if tracker.final is not None else tracker.drafted
-        if drafted:
+        if tracker.drafted:
             line += f" · τ {tracker.tau:.2f} · accept {tracker.acceptance_rate * 100:.0f}%"
         return line + f" · {tracker.reason}"
 

@@ -413,7 +413,7 @@ class StatsBar(Widget):
             g.ttft_seconds,
             g.tau if g.tau_known else None,
             g.acceptance_rate,
-            g.drafted > 0 or (g.final is not None and g.final.drafted_tokens > 0),
+            g.drafted > 0,
             g.per_position,
             g.histogram,
             tail,

@@ -20,14 +20,13 @@ from ..common import (
     ModelOpt,
     RevisionOpt,
     TargetOpt,
-    load_options,
-    model_ref,
-    runtime_config,
+    console,
+    session_options,
 )
 from ..errors import handle_errors
 
 _MARK = {"ok": "✓", "warn": "!", "fail": "✗", "info": "·"}
-_COLOUR = {"ok": "\x1b[32m", "warn": "\x1b[33m", "fail": "\x1b[31m", "info": "\x1b[2m"}
+_STYLE = {"ok": "green", "warn": "yellow", "fail": "red", "info": "dim"}
 
 
 @handle_errors
@@ -43,21 +42,20 @@ def doctor(
     """Check that this machine can run a pair (the embedded one by default) and print fixes."""
     from runtime.doctor import exit_code, run_doctor
 
-    ref = model_ref(model, target, drafter)
-    checks = run_doctor(ref, runtime_config(device, dtype), load_options(True, revision))
+    opts = session_options(model, target, drafter, device, dtype, offline=True, revision=revision)
+    checks = run_doctor(opts.ref, opts.runtime, opts.load)
     code = exit_code(checks)
     if json_out:
         print(json.dumps({"ok": code == 0, "exit_code": code, "checks": [c.to_json() for c in checks]}, indent=2))
     else:
-        colour = sys.stdout.isatty()
+        from rich.text import Text
+
+        out = console()
         width = max(len(c.area) for c in checks)
         for c in checks:
-            mark = _MARK[c.status]
-            if colour:
-                mark = f"{_COLOUR[c.status]}{mark}\x1b[0m"
-            print(f"{mark} {c.area.ljust(width)}  {c.message}")
+            out.print(Text.assemble((_MARK[c.status], _STYLE[c.status]), f" {c.area.ljust(width)}  {c.message}"))
             if c.fix:
-                print(f"  {' ' * width}  fix: {c.fix}")
+                out.print(f"  {' ' * width}  fix: {c.fix}")
         fails = sum(c.status == "fail" for c in checks)
         warns = sum(c.status == "warn" for c in checks)
         if fails:

@@ -15,7 +15,7 @@ import subprocess
 import sys
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -35,10 +35,14 @@ from ..common import (
     ThreadsOpt,
     VerifyOpt,
     debug_enabled,
-    load,
     load_options,
+    open_pipeline,
+    session_options,
 )
 from ..errors import handle_errors
+
+if TYPE_CHECKING:
+    from runtime import DecodeOptions, Pipeline
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -66,7 +70,7 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _served_names(model: str | None, target: str | None, pipe: Any, served: str | None) -> tuple[str, ...]:
+def _served_names(model: str | None, target: str | None, pipe: Pipeline, served: str | None) -> tuple[str, ...]:
     from runtime.models import presets
 
     if served:
@@ -276,18 +280,20 @@ def _serve_local(
     served_model_name: str | None,
     max_tokens_limit: int,
     max_queue: int,
-    opts: Any,
+    opts: DecodeOptions,
     api_key: str | None,
     log_level: str,
 ) -> None:
     import uvicorn
 
+    from runtime import DecodeOptions
+
     from ..server.app import ServeConfig, create_app
     from ..server.protocol import Limits
 
-    pipe = load(model, target, drafter, device, dtype, offline, revision, quantize, threads)
+    pipe = open_pipeline(session_options(model, target, drafter, device, dtype, offline, revision, quantize, threads))
     if pipe.drafter is None and opts.decoder == "dflash":
-        opts = type(opts)(decoder="ar")  # no drafter: plain decoding is all there is
+        opts = DecodeOptions(decoder="ar")  # no drafter: plain decoding is all there is
     names = _served_names(model, target, pipe, served_model_name)
     config = ServeConfig(
         model_names=names,

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -18,11 +19,15 @@ from ..common import (
     OfflineOpt,
     TargetOpt,
     ThreadsOpt,
-    calibrate,
-    load,
+    open_pipeline,
     parse_ids,
+    session_options,
 )
 from ..errors import handle_errors
+
+if TYPE_CHECKING:
+    from runtime import Pipeline
+    from runtime.session import SessionOptions
 
 
 def _duration(text: str | None) -> float | None:
@@ -110,7 +115,8 @@ def train(
         )
     out.mkdir(parents=True, exist_ok=True)
     data_dir = data or out / "data"
-    pipe = load(model, target, "none", device, dtype, offline, threads=threads)
+    session = session_options(model, target, "none", device, dtype, offline, threads=threads)
+    pipe = open_pipeline(session)
     if pipe.tokenizer is None:
         raise typer.BadParameter("the target has no tokenizer; dflash train needs one to build prompts")
     _record_command(out, sys.argv)  # only invocations that got as far as building data or training
@@ -150,7 +156,7 @@ def train(
     )
     evaluation = None
     if not no_eval and eval_prompts > 0:
-        evaluation = _evaluate(pipe, out, eval_prompts, eval_tokens, say)
+        evaluation = _evaluate(pipe, session, out, eval_prompts, eval_tokens, say)
     card = model_card(pipe, trainer, evaluation, sys.argv, data_dir=data_dir)
     path = export(out, evaluation, card)
     say(f"drafter saved to {path}")
@@ -179,9 +185,10 @@ def _eval_only(
     if not ckpt.exists():
         raise ConfigError(f"{ckpt.parent} has no checkpoint to evaluate; train first")
     blob = torch.load(ckpt, map_location="cpu", weights_only=False)
-    pipe = load(model, target, "none", device, dtype, offline, threads=threads)
+    session = session_options(model, target, "none", device, dtype, offline, threads=threads)
+    pipe = open_pipeline(session)
     say = _printer()
-    evaluation = _evaluate(pipe, out, eval_prompts, eval_tokens, say)
+    evaluation = _evaluate(pipe, session, out, eval_prompts, eval_tokens, say)
     cfg = dict(blob["config"])
     cfg["betas"] = tuple(cfg["betas"])
     run = _RunRecord(pipe.drafter, TrainState(**blob["state"]), TrainConfig(**cfg), out)
@@ -256,16 +263,20 @@ def _train_progress(say: Any) -> Any:
     return show
 
 
-def _evaluate(pipe: Any, out: Path, n: int, tokens: int, say: Any) -> dict[str, Any]:
+def _evaluate(
+    pipe: Pipeline, session: SessionOptions, out: Path, n: int, tokens: int, say: Callable[[str], None]
+) -> dict[str, Any]:
     import torch
 
     from runtime.engine.drafter import load_draft_model
+    from runtime.session import calibrate
     from runtime.train.evaluate import evaluate
     from runtime.train.heldout import HELDOUT
 
     pipe.drafter = load_draft_model(out / "checkpoint", pipe.device, pipe.dtype)
     pipe.target.set_taps(pipe.drafter.dflash.target_layer_ids)
-    calibrate(pipe, say=say)  # the verify length is chosen from this machine's measured costs, as in `dflash run`
+    if session.calibration_file is not None:  # the verify length comes from this machine's costs, as in `dflash run`
+        calibrate(pipe, session.calibration_file, say)
     torch.manual_seed(0)
     say(f"evaluating on {min(n, len(HELDOUT))} held-out prompts ({tokens} tokens each, plain vs DFlash)")
     result = evaluate(pipe, HELDOUT[:n], max_new_tokens=tokens, progress=say)

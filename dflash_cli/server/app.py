@@ -135,8 +135,9 @@ class DFlashServer:
     # -- simple endpoints ------------------------------------------------------------------
     def _model_card(self, name: str) -> dict[str, Any]:
         details = {k: v for k, v in self.backend.describe().items() if not k.endswith("_dir")}  # no local paths
-        details["chat_template"] = bool(getattr(self.backend, "is_chat_model", True))
-        details["tokenizer"] = getattr(self.backend, "tokenizer", True) is not None  # False: token ids, no text
+        caps = self.backend.capabilities
+        details["chat_template"] = caps.chat_template
+        details["tokenizer"] = caps.tokenizer  # False: token ids, no text
         return {"id": name, "object": "model", "created": self.created, "owned_by": "dflash", "dflash": details}
 
     async def models(self, request: Request) -> Response:
@@ -195,12 +196,9 @@ class DFlashServer:
             if req.kind == "chat":
                 return backend.stream_messages(list(req.messages), req.params, req.opts, cancel)
             if req.prompt_ids is not None:
-                stream_ids = getattr(backend, "stream", None)
-                if stream_ids is None:
-                    raise InputError("this server does not take token-id prompts; send text")
-                return stream_ids(list(req.prompt_ids), req.params, req.opts, cancel)
+                return backend.stream_ids(list(req.prompt_ids), req.params, req.opts, cancel)
             assert req.prompt is not None
-            return backend.stream_prompt(req.prompt, req.params, req.opts, cancel, chat=False)
+            return backend.stream(req.prompt, req.params, req.opts, cancel, chat=False)
 
         return start
 

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from runtime.config import DecodeOptions, SamplingParams
+from runtime.engine.acceptance import AcceptanceCounter, AcceptanceCounts
 from runtime.engine.events import BlockVerified, Finished, PrefillDone
 from runtime.errors import IncompatibleDraftError
 
@@ -100,14 +101,10 @@ class PromptRun:
         tokens: generated ids (the stop token included when one ended the run).
         seconds: wall time from start to the last token, device-synchronised.
         ttft_seconds: time to the first generated token.
-        steps: target verify forwards after the first token (our decoders), or decoding steps of
-            ``generate`` (one per streamer update).
-        committed_in_steps: tokens committed by those steps.
-        drafted: drafts proposed to the target (None when the method does not tell).
-        accepted: drafts the target accepted (None when unknown).
-        position_tried, position_ok: per draft slot, steps that verified it and steps in which
-            it and every earlier draft were accepted (DFlash only).
-        histogram: entry i counts steps that accepted exactly i drafts (DFlash only).
+        acceptance: raw counts of the steps: target verify forwards after the first token (our
+            decoders), or decoding steps of ``generate`` (one per streamer update) with the tokens
+            they committed; drafts, per-slot counts and the histogram for DFlash.
+        drafts_known: the method reports its drafts (DFlash); else ``drafted``/``accepted`` are None.
         verify_length: drafts verified per step, as the runtime chose it (DFlash only).
         peak_memory: bytes (see ``PeakMemory``).
         generated: tokens generated when their ids are unknown (a server that streams text
@@ -117,16 +114,26 @@ class PromptRun:
     tokens: tuple[int, ...]
     seconds: float
     ttft_seconds: float
-    steps: int
-    committed_in_steps: int
-    drafted: int | None = None
-    accepted: int | None = None
-    position_tried: tuple[int, ...] = ()
-    position_ok: tuple[int, ...] = ()
-    histogram: tuple[int, ...] = ()
+    acceptance: AcceptanceCounts = AcceptanceCounts()
+    drafts_known: bool = False
     verify_length: int | None = None
     peak_memory: int | None = None
     generated: int | None = None
+
+    @property
+    def steps(self) -> int:
+        """Verify (or ``generate``) steps after the first token."""
+        return self.acceptance.steps
+
+    @property
+    def drafted(self) -> int | None:
+        """Drafts proposed to the target (None when the method does not tell)."""
+        return self.acceptance.drafted if self.drafts_known else None
+
+    @property
+    def accepted(self) -> int | None:
+        """Drafts the target accepted (None when unknown)."""
+        return self.acceptance.accepted if self.drafts_known else None
 
     @property
     def new_tokens(self) -> int:
@@ -176,8 +183,7 @@ def count_events(events: Sequence[Any], seconds: float, ttft: float, block: int,
         peak: peak memory in bytes (None: unknown).
     """
     tokens: list[int] = []
-    steps = committed = drafted = accepted = 0
-    tried, ok, hist = [0] * max(block - 1, 0), [0] * max(block - 1, 0), [0] * block
+    counter = AcceptanceCounter(slots=max(block - 1, 0))
     verify_length = None
     for ev in events:
         if isinstance(ev, Finished):
@@ -185,28 +191,15 @@ def count_events(events: Sequence[Any], seconds: float, ttft: float, block: int,
             continue
         tokens.extend(t.token_id for t in ev.tokens)
         if isinstance(ev, BlockVerified):
-            k, a = len(ev.draft), ev.accepted
-            steps += 1
-            committed += a + 1
-            drafted += k
-            accepted += a
-            for j in range(min(k, len(tried))):
-                tried[j] += 1
-                ok[j] += int(j < a)
-            if a < len(hist):
-                hist[a] += 1
+            counter.record(len(ev.draft), ev.accepted)
     is_dflash = block > 1
+    counts = counter.counts()
     return PromptRun(
         tokens=tuple(tokens),
         seconds=seconds,
         ttft_seconds=ttft,
-        steps=steps,
-        committed_in_steps=committed,
-        drafted=drafted if is_dflash else None,
-        accepted=accepted if is_dflash else None,
-        position_tried=tuple(tried),
-        position_ok=tuple(ok),
-        histogram=tuple(hist) if is_dflash else (),
+        acceptance=counts if is_dflash else AcceptanceCounts(steps=counts.steps, committed=counts.committed),
+        drafts_known=is_dflash,
         verify_length=verify_length if is_dflash else None,
         peak_memory=peak,
     )
@@ -306,8 +299,7 @@ def run_generate(
         tokens=tokens,
         seconds=seconds,
         ttft_seconds=clock.first if clock.first is not None else seconds,
-        steps=steps,
-        committed_in_steps=len(tokens),
+        acceptance=AcceptanceCounts(steps=steps, committed=len(tokens)),
         peak_memory=peak,
     )
 

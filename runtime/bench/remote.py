@@ -94,7 +94,7 @@ def run_remote(
     else:
         if not prompt.text.strip():
             raise InputError(f"prompt {prompt.id} is empty")
-        stream = backend.stream_prompt(prompt.text, params, opts, chat=False)
+        stream = backend.stream(prompt.text, params, opts, chat=False)
     events: list[Any] = []
     ttft = 0.0
     for ev in stream:
@@ -106,24 +106,17 @@ def run_remote(
     assert isinstance(done, Finished)
     stats = done.stats
     texts = {t.token_id: t.text for ev in events[:-1] for t in ev.tokens if t.token_id >= 0}
-    if backend.per_token_status:  # dflash serve: the runtime's own events, token ids and drafts
+    if backend.capabilities.per_token_origin:  # dflash serve: the runtime's own events, token ids and drafts
         block = stats.block_size if stats.decoder == "dflash" else 1
         return RemoteRun(count_events(events, seconds, ttft, block, None), stats.prompt_tokens, texts)
     # Text chunks only: counts from the server's final statistics (none when it exposes none).
-    steps = stats.verify_steps
-    spec = steps > 0
-    per_pos = stats.per_position_acceptance
+    spec = stats.verify_steps > 0
     run = PromptRun(
         tokens=(),
         seconds=seconds,
         ttft_seconds=ttft,
-        steps=steps,
-        committed_in_steps=stats.accepted_tokens + steps,
-        drafted=stats.drafted_tokens if spec else None,
-        accepted=stats.accepted_tokens if spec else None,
-        position_tried=tuple(steps for _ in per_pos),
-        position_ok=tuple(round(p * steps) for p in per_pos),
-        histogram=tuple(stats.acceptance_histogram),
+        acceptance=stats.acceptance,
+        drafts_known=spec,
         verify_length=stats.verify_length if spec else None,
         generated=stats.generated_tokens,
     )

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from runtime.config import DecodeOptions, SamplingParams
+from runtime.engine.acceptance import AcceptanceCounts
 from runtime.engine.events import Finished, GenerationStats
 from runtime.errors import ConfigError
 
@@ -98,16 +99,15 @@ def run_set(pipe: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, de
         all_stats.append(stats)
     generated = sum(s.generated_tokens for s in all_stats)
     seconds = sum(s.total_seconds for s in all_stats)
-    steps = sum(s.verify_steps for s in all_stats)
-    drafted = sum(s.drafted_tokens for s in all_stats)
+    counts = sum((s.acceptance for s in all_stats), AcceptanceCounts())
     return RunSet(
         decoder=decoder,
         tokens=tuple(tokens),
         generated_tokens=generated,
         seconds=seconds,
         tokens_per_second=generated / max(seconds, 1e-9),
-        tau=sum(s.tau * s.verify_steps for s in all_stats) / steps if steps else 1.0,
-        acceptance_rate=sum(s.accepted_tokens for s in all_stats) / drafted if drafted else 0.0,
+        tau=counts.tau,
+        acceptance_rate=counts.acceptance_rate,
     )
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from runtime.config import DecodeOptions, SamplingParams
+from runtime.engine.acceptance import AcceptanceCounts
 from runtime.engine.events import Finished, GenerationStats
 
 Progress = Callable[[str], None]
@@ -68,12 +69,7 @@ class EvalResult:
         runs = [p.full for p in self.prompts if p.full]
         if not runs:
             return []
-        n = len(runs[0].per_position_acceptance)
-        steps = [r.verify_steps for r in runs]
-        total = max(sum(steps), 1)
-        return [
-            sum(r.per_position_acceptance[k] * s for r, s in zip(runs, steps, strict=True)) / total for k in range(n)
-        ]
+        return list(sum((r.acceptance for r in runs), AcceptanceCounts()).per_position)
 
     def conditional_acceptance(self) -> list[float]:
         """P(draft k accepted | drafts 1..k-1 accepted), the verify-length prior stored with a drafter."""
