@@ -26,7 +26,7 @@ from starlette.routing import Route
 
 from runtime import CancelToken, DecodeOptions, DFlashError, InputError, OutOfMemoryError
 from runtime.backend import Backend
-from runtime.engine.events import DecodeEvent, Finished, GenerationStats, PrefillDone
+from runtime.engine.events import DecodeEvent, Finished, GenerationStats, PrefillDone, event_to_json
 
 from . import protocol as P
 from .metrics import CONTENT_TYPE, ServerMetrics
@@ -294,11 +294,11 @@ class DFlashServer:
                 if isinstance(event, Finished):
                     stats = event.stats
                     self._finished(job, event)
-                    ext = {**P.event_ext(event), "queue": job.timing()}
+                    ext = {**event_to_json(event), "queue": job.timing()}
                     yield line(P.chunk(req, rid, created, None, P.FINISH.get(event.reason, "stop"), ext))
                 else:
                     role = isinstance(event, PrefillDone)
-                    yield line(P.chunk(req, rid, created, event.text, None, P.event_ext(event), role=role))
+                    yield line(P.chunk(req, rid, created, event.text, None, event_to_json(event), role=role))
                 try:
                     event = await events.__anext__()
                 except StopAsyncIteration:
