@@ -108,19 +108,24 @@ def resolve_pair(ref: ModelRef, opts: LoadOptions, progress: Progress | None = N
 
         drafter = recorded_drafter(ref.target)  # a `dflash quantize` folder remembers its drafter
     assert target is not None
-    hub = {"cache_dir": opts.hf_cache_dir, "revision": opts.revision, "offline": opts.offline, "token": opts.token}
+
+    def hub(name: str, kind: str) -> Path:
+        return resolve_model(
+            name, kind, cache_dir=opts.hf_cache_dir, revision=opts.revision, offline=opts.offline, token=opts.token
+        )
+
     if target == "embedded":
         target_dir = embedded.require_embedded_target(opts.models_dir, progress)
         target_name = embedded.TARGET_NAME
     else:
-        target_dir = resolve_model(target, "target", **hub)
+        target_dir = hub(target, "target")
         target_name = target
     drafter_dir: Path | None = None
     drafter_name: str | None = None
     if drafter == "embedded":
         drafter_dir, drafter_name = embedded.embedded_drafter_dir(), "dflash/" + embedded.DRAFTER_DIR.name
     elif drafter and drafter != "none":
-        drafter_dir, drafter_name = resolve_model(drafter, "drafter", **hub), drafter
+        drafter_dir, drafter_name = hub(drafter, "drafter"), drafter
     thinking = bool(preset.thinking) if preset else False
     return ResolvedPair(target_dir, drafter_dir, target_name, drafter_name, thinking)
 
@@ -163,7 +168,7 @@ def load_target_model(target_dir: Path, device: torch.device, dtype: torch.dtype
     if device.type == "cuda" and importlib.util.find_spec("accelerate") is not None:
         kw["device_map"] = str(device)
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(target_dir), **kw)
+        model: Any = AutoModelForCausalLM.from_pretrained(str(target_dir), **kw)
     except torch.OutOfMemoryError:
         raise
     except ValueError as e:

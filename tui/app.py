@@ -177,7 +177,11 @@ class ChatApp(App[None]):
     def load_backend(self) -> None:
         """Build the backend in a worker thread; progress and the outcome come back as messages."""
         try:
-            backend = self.backend_factory(lambda text: self.post_message(self.LoadProgress(text)))
+
+            def progress(text: str) -> None:
+                self.post_message(self.LoadProgress(text))
+
+            backend = self.backend_factory(progress)
         except Exception as e:
             self.post_message(self.LoadFailed(e))
         else:

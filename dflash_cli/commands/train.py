@@ -191,6 +191,7 @@ def _eval_only(
     evaluation = _evaluate(pipe, session, out, eval_prompts, eval_tokens, say)
     cfg = dict(blob["config"])
     cfg["betas"] = tuple(cfg["betas"])
+    assert pipe.drafter is not None  # _evaluate loaded the checkpoint
     run = _RunRecord(pipe.drafter, TrainState(**blob["state"]), TrainConfig(**cfg), out)
     recorded = pipe.drafter.config.raw.get("dflash_training") or {}  # the checkpoint's config, loaded by _evaluate
     card = model_card(pipe, run, evaluation, sys.argv, data_dir=recorded.get("dataset"))

@@ -123,9 +123,19 @@ class AcceptanceCounts:
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> AcceptanceCounts:
         """Inverse of ``to_json`` (missing keys are zero)."""
-        ints = {k: int(d.get(k) or 0) for k in ("steps", "drafted", "accepted", "committed")}
-        seqs = {k: tuple(int(x) for x in d.get(k) or ()) for k in ("slot_tried", "slot_accepted", "histogram")}
-        return cls(**ints, **seqs)
+
+        def ints(key: str) -> tuple[int, ...]:
+            return tuple(int(x) for x in d.get(key) or ())
+
+        return cls(
+            steps=int(d.get("steps") or 0),
+            drafted=int(d.get("drafted") or 0),
+            accepted=int(d.get("accepted") or 0),
+            committed=int(d.get("committed") or 0),
+            slot_tried=ints("slot_tried"),
+            slot_accepted=ints("slot_accepted"),
+            histogram=ints("histogram"),
+        )
 
 
 class AcceptanceCounter:
