@@ -25,7 +25,7 @@ from textual.widgets import Footer, Header, Static
 
 from runtime.backend import Backend
 from runtime.engine import CancelToken
-from runtime.engine.events import DecodeEvent, Finished
+from runtime.engine.events import BlockVerified, DecodeEvent, Finished
 
 from .config import BackendFactory, ChatConfig
 from .screens import HelpScreen, SessionsScreen, SystemPromptScreen
@@ -302,7 +302,7 @@ class ChatApp(App[None]):
         if isinstance(event, Finished):
             self.finish(event)
             return
-        if event.tokens or getattr(event, "draft", ()):
+        if event.tokens or (isinstance(event, BlockVerified) and event.draft):
             turn.add_event(event)
         if event.type == "prefill":
             turn.set_header("streaming… (Esc stops)")

@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,6 +30,9 @@ from runtime.config import DecodeOptions, SamplingParams
 from runtime.engine.acceptance import AcceptanceCounter, AcceptanceCounts
 from runtime.engine.events import BlockVerified, Finished, PrefillDone
 from runtime.errors import IncompatibleDraftError
+
+if TYPE_CHECKING:
+    from runtime.pipeline import LoadOptions, Pipeline
 
 
 def sync(device: torch.device) -> None:
@@ -153,7 +156,7 @@ class PromptRun:
 
 
 def run_decoder(
-    pipe: Any, opts: DecodeOptions, prompt: Sequence[int], params: SamplingParams, mem: PeakMemory
+    pipe: Pipeline, opts: DecodeOptions, prompt: Sequence[int], params: SamplingParams, mem: PeakMemory
 ) -> PromptRun:
     """Time our own decoder (``ar`` or ``dflash``) on one prompt."""
     if opts.decoder == "ar":
@@ -170,7 +173,7 @@ def run_decoder(
         events.append(ev)
     sync(pipe.device)
     seconds = time.perf_counter() - t0
-    return count_events(events, seconds, ttft, getattr(decoder, "block_size", 1), mem.peak())
+    return count_events(events, seconds, ttft, decoder.block_size, mem.peak())
 
 
 def count_events(events: Sequence[Any], seconds: float, ttft: float, block: int, peak: int | None) -> PromptRun:
@@ -251,7 +254,7 @@ def neutral_generation_config(models: Sequence[Any], eos: Sequence[int] | None) 
 
 
 def run_generate(
-    pipe: Any,
+    pipe: Pipeline,
     method: str,
     prompt: Sequence[int],
     params: SamplingParams,
@@ -264,7 +267,7 @@ def run_generate(
     """Time transformers' ``generate`` on one prompt: plain (``hf``), prompt lookup (``pld``)
     or assisted generation with a draft model (``assisted``)."""
     pipe.target.set_taps(())  # DFlash feature hooks stay off the target for transformers' loops
-    model = pipe.target.model
+    model: Any = pipe.target.model  # a transformers model: generate()
     kw: dict[str, Any] = {"max_new_tokens": params.max_new_tokens, "num_beams": 1}
     if params.greedy:
         kw["do_sample"] = False
@@ -324,7 +327,7 @@ class Assistant:
     same_vocab_size: bool
 
 
-def load_assistant(ref: str, pipe: Any, opts: Any) -> Assistant:
+def load_assistant(ref: str, pipe: Pipeline, opts: LoadOptions) -> Assistant:
     """Resolve, check and load an assistant model for ``assisted`` runs.
 
     The tokenizers are compared before any weight is loaded: assisted generation as benchmarked

@@ -18,7 +18,7 @@ import platform
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from runtime.bench.datasets import Prompt, PromptMode, PromptSet
 from runtime.bench.methods import PromptRun, count_events
@@ -34,6 +34,9 @@ from runtime.bench.runner import (
 from runtime.config import DecodeOptions, SamplingParams
 from runtime.engine.events import Finished, PrefillDone
 from runtime.errors import ConfigError, InputError
+
+if TYPE_CHECKING:
+    from runtime.client.remote import RemoteBackend
 
 LOCAL_ONLY = ("hf", "pld", "assisted")  # transformers' generate on local weights
 
@@ -77,7 +80,7 @@ def remote_specs(config: BenchConfig, flavour: str) -> list[MethodSpec]:
 
 
 def run_remote(
-    backend: Any, prompt: Prompt, mode: PromptMode | None, params: SamplingParams, opts: DecodeOptions | None
+    backend: RemoteBackend, prompt: Prompt, mode: PromptMode | None, params: SamplingParams, opts: DecodeOptions | None
 ) -> RemoteRun:
     """Time one prompt through the server.
 
@@ -123,7 +126,7 @@ def run_remote(
     return RemoteRun(run, stats.prompt_tokens, texts)
 
 
-def remote_environment(backend: Any) -> dict[str, Any]:
+def remote_environment(backend: RemoteBackend) -> dict[str, Any]:
     """What a remote run records: the server (URL, engine, served model) and what it says about its models.
 
     The keys of a local run's environment are kept (``runtime.bench.env``); what only the server
@@ -168,7 +171,7 @@ def remote_environment(backend: Any) -> dict[str, Any]:
 
 
 def run_bench_remote(
-    backend: Any, prompts: PromptSet, config: BenchConfig, progress: Progress | None = None
+    backend: RemoteBackend, prompts: PromptSet, config: BenchConfig, progress: Progress | None = None
 ) -> BenchResult:
     """Run the bench protocol through a server and summarise (``runtime.bench.runner.run_bench``'s contract).
 

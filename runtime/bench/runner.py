@@ -27,7 +27,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from runtime.bench.datasets import Prompt, PromptMode, PromptSet
 from runtime.bench.env import environment
@@ -36,6 +36,9 @@ from runtime.bench.pitfalls import BenchWarning, drafter_dtype, drafter_training
 from runtime.config import DecodeOptions, SamplingParams
 from runtime.engine.acceptance import AcceptanceCounts
 from runtime.errors import ConfigError, InputError
+
+if TYPE_CHECKING:
+    from runtime.pipeline import Pipeline
 
 __all__ = [
     "Assistant",
@@ -330,7 +333,7 @@ class BenchResult:
 
 
 # -- prompts ---------------------------------------------------------------------------------
-def encode_prompt(pipe: Any, prompt: Prompt, mode: PromptMode | None = None, thinking: bool = False) -> list[int]:
+def encode_prompt(pipe: Pipeline, prompt: Prompt, mode: PromptMode | None = None, thinking: bool = False) -> list[int]:
     """Token ids of a bench prompt.
 
     Chat prompts go through the target's chat template (thinking mode as asked), or are used as
@@ -354,7 +357,7 @@ def encode_prompt(pipe: Any, prompt: Prompt, mode: PromptMode | None = None, thi
     return list(tok.encode(prompt.text, add_special_tokens=True))
 
 
-def template_has_thinking(pipe: Any) -> bool:
+def template_has_thinking(pipe: Pipeline) -> bool:
     """True when the target's chat template has a thinking switch (``enable_thinking``)."""
     tmpl = getattr(pipe.tokenizer, "chat_template", None) if pipe.tokenizer is not None else None
     return isinstance(tmpl, str) and "enable_thinking" in tmpl
@@ -499,7 +502,7 @@ def timed_protocol(
 
 
 def run_bench(
-    pipe: Any,
+    pipe: Pipeline,
     prompts: PromptSet,
     config: BenchConfig,
     assistant: Assistant | None = None,

@@ -34,6 +34,7 @@ class Decoder(Protocol):
     """Anything that turns prompt ids into a typed event stream."""
 
     name: str
+    block_size: int  # drafts per block plus one (1 for plain decoding)
 
     def stream(
         self, prompt_ids: Sequence[int], params: SamplingParams, cancel: CancelToken | None = None

@@ -11,11 +11,14 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from runtime.config import DecodeOptions, SamplingParams
 from runtime.engine.acceptance import AcceptanceCounts
 from runtime.engine.events import Finished, GenerationStats
+
+if TYPE_CHECKING:
+    from runtime.pipeline import Pipeline
 
 Progress = Callable[[str], None]
 
@@ -97,7 +100,7 @@ class EvalResult:
 
 
 def _run(
-    pipeline: Any, ids: list[int], params: SamplingParams, opts: DecodeOptions
+    pipeline: Pipeline, ids: list[int], params: SamplingParams, opts: DecodeOptions
 ) -> tuple[list[int], GenerationStats]:
     out: list[int] = []
     stats = None
@@ -111,7 +114,7 @@ def _run(
 
 
 def evaluate(
-    pipeline: Any,
+    pipeline: Pipeline,
     prompts: Sequence[Any],
     max_new_tokens: int = 96,
     full_block: bool = True,
