@@ -26,10 +26,8 @@ import json
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx
-from httpx_sse import EventSource
 from prometheus_client.parser import text_string_to_metric_families
 
 from runtime.backend import Capabilities
@@ -48,6 +46,12 @@ from runtime.engine.events import (
     event_from_json,
 )
 from runtime.errors import ConfigError, DFlashError, InputError, ModelNotFoundError
+
+if TYPE_CHECKING:
+    # httpx (and httpx-sse, which imports it) is imported where a request is made: `import httpx`
+    # also imports its command line, i.e. click and rich (87 of its 119 ms, measured with -X
+    # importtime), and importing the runtime must load no UI package (tests/test_boundary.py).
+    import httpx
 
 FLAVOURS = ("dflash", "vllm", "sglang", "openai")
 VLLM_COUNTERS = (
@@ -201,6 +205,8 @@ class RemoteBackend:
 
     @property
     def _client(self) -> httpx.Client:
+        import httpx
+
         # One connection pool per backend (httpx clients are thread-safe); proxies and CA
         # certificates from the environment apply as they did with urllib.
         if self._http is None:
@@ -219,6 +225,8 @@ class RemoteBackend:
         Raises:
             RemoteError: the server cannot be reached; the error ``_http_error`` maps a status to.
         """
+        import httpx
+
         try:
             req = self._client.build_request("POST" if body is not None else "GET", path, json=body)
             resp = self._client.send(req, stream=True)
@@ -252,6 +260,8 @@ class RemoteBackend:
         return RemoteError(f"the server at {self.url} answered {status}: {message}")
 
     def _get_json(self, path: str) -> Any:
+        import httpx
+
         resp = self._open(path)
         try:
             return json.loads(resp.read())
@@ -412,6 +422,8 @@ class RemoteBackend:
         return body
 
     def _scrape(self) -> dict[str, float] | None:
+        import httpx
+
         try:
             resp = self._open("/metrics")
             try:
@@ -431,6 +443,8 @@ class RemoteBackend:
     def _events(
         self, resp: httpx.Response, t0: float, before: dict[str, float] | None, cancel: CancelToken | None, chat: bool
     ) -> Iterator[DecodeEvent]:
+        import httpx
+
         prefilled = False
         done: Finished | None = None
         finish: str | None = None
@@ -549,6 +563,8 @@ def _sse_data(resp: httpx.Response) -> Iterator[str]:
 
     A plain JSON body (a server that ignored ``stream: true``) is yielded whole.
     """
+    from httpx_sse import EventSource
+
     if "text/event-stream" not in resp.headers.get("content-type", ""):
         yield resp.read().decode("utf-8", "replace")
         yield "[DONE]"
