@@ -63,6 +63,7 @@ class SessionOptions:
     def __post_init__(self) -> None:
         if self.server and (self.target or self.drafter):
             raise ConfigError("--server excludes --target/--drafter: the server decides the models")
+        _ = self.runtime  # device, dtype and threads are checked now, before anything loads
 
     @property
     def ref(self) -> ModelRef:
