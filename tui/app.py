@@ -1,9 +1,9 @@
 """The chat app: a transcript coloured by token origin, a multi-line prompt and live statistics.
 
-The app depends on the runtime's ``Backend`` protocol only (``describe`` and ``stream_messages``):
-a local pipeline or a remote server. Tokens are coloured by origin only when the backend reports it
-(``per_token_status``, True unless a backend says otherwise: vLLM and SGLang send plain text, shown
-uncoloured with the statistics the server exposes). The app is built by
+The app depends on the runtime's ``Backend`` protocol only (``capabilities``, ``describe`` and
+``stream_messages``): a local pipeline or a remote server. Tokens are coloured by origin only when
+the backend's capabilities say its events carry it (``per_token_origin``: vLLM and SGLang send plain
+text, shown uncoloured with the statistics the server exposes). The app is built by
 ``make_app(backend_factory, config)``; the factory runs once in a worker thread (loading a model
 can take a while) and generation runs in another worker thread that posts one message per runtime
 event, so the UI never blocks.
