@@ -43,6 +43,7 @@ from ..errors import handle_errors
 
 if TYPE_CHECKING:
     from runtime import DecodeOptions, Pipeline
+    from runtime.session import SessionOptions
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -240,27 +241,10 @@ def serve(
         raise ConfigError(f"--max-queue must be >= 0, got {max_queue}")
     opts = DecodeOptions(decoder=decoder.value, block_size=block_size, verify_length=verify_length)
     api_key = os.environ.get("DFLASH_API_KEY", "").strip() or None
+    session = session_options(model, target, drafter, device, dtype, offline, revision, quantize, threads)
     sock = _bind(host, port)
     try:
-        _serve_local(
-            sock,
-            host,
-            model,
-            target,
-            drafter,
-            device,
-            dtype,
-            offline,
-            revision,
-            quantize,
-            threads,
-            served_model_name,
-            max_tokens_limit,
-            max_queue,
-            opts,
-            api_key,
-            log_level,
-        )
+        _serve_local(sock, host, session, served_model_name, max_tokens_limit, max_queue, opts, api_key, log_level)
     finally:
         sock.close()
 
@@ -268,15 +252,7 @@ def serve(
 def _serve_local(
     sock: socket.socket,
     host: str,
-    model: str | None,
-    target: str | None,
-    drafter: str | None,
-    device: str,
-    dtype: DtypeChoice,
-    offline: bool,
-    revision: str | None,
-    quantize: str | None,
-    threads: int | None,
+    session: SessionOptions,
     served_model_name: str | None,
     max_tokens_limit: int,
     max_queue: int,
@@ -291,10 +267,10 @@ def _serve_local(
     from ..server.app import ServeConfig, create_app
     from ..server.protocol import Limits
 
-    pipe = open_pipeline(session_options(model, target, drafter, device, dtype, offline, revision, quantize, threads))
+    pipe = open_pipeline(session)
     if pipe.drafter is None and opts.decoder == "dflash":
         opts = DecodeOptions(decoder="ar")  # no drafter: plain decoding is all there is
-    names = _served_names(model, target, pipe, served_model_name)
+    names = _served_names(session.model, session.target, pipe, served_model_name)
     config = ServeConfig(
         model_names=names,
         limits=Limits(max_tokens=max_tokens_limit),
