@@ -18,9 +18,11 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 if TYPE_CHECKING:
-    from runtime import LoadOptions, ModelRef, Pipeline, RuntimeConfig
+    from rich.console import Console
+
+    from runtime import DecodeOptions, LoadOptions, Pipeline
     from runtime.backend import Backend
-    from runtime.client.remote import RemoteBackend
+    from runtime.session import SessionOptions
 
 
 class DecoderChoice(str, Enum):
@@ -128,111 +130,26 @@ def state_dir() -> Path:
     return Path(user_data_dir("dflash", appauthor=False))
 
 
+def console(stderr: bool = False) -> Console:
+    """A rich console on stdout or stderr: colours only on a terminal (and as NO_COLOR /
+    FORCE_COLOR say), no wrapping, no markup or highlighting of the printed text."""
+    from rich.console import Console
+
+    return Console(stderr=stderr, soft_wrap=True, highlight=False, markup=False, emoji=False)
+
+
+def _stderr() -> Console:
+    return console(stderr=True)
+
+
 def usage_log_path() -> Path:
     """The JSON file where dflash remembers when each model was last used (see `dflash models`)."""
     return state_dir() / "models-usage.json"
 
 
-def remember_use(pipe: Pipeline, preset: str | None = None) -> None:
-    """Note that a pipeline's models were just used (best effort: never fails a command)."""
-    from runtime.models.store import UsageLog
-
-    pair = getattr(pipe, "pair", None)
-    if pair is None:
-        return
-    try:
-        UsageLog(usage_log_path()).record(
-            [pair.target_dir, pair.drafter_dir],
-            pair=(pair.target_dir, pair.drafter_dir) if pair.drafter_dir else None,
-            pair_name=preset,
-        )
-    except OSError:
-        pass
-
-
 def env_offline() -> bool:
     """True when HF_HUB_OFFLINE is set to a true value."""
     return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
-
-
-def model_ref(model: str | None, target: str | None, drafter: str | None) -> ModelRef:
-    """Build the runtime's ``ModelRef`` from the shared options."""
-    from runtime import ModelRef
-
-    return ModelRef(preset=model, target=target, drafter=drafter)
-
-
-def runtime_config(device: str, dtype: DtypeChoice | str, threads: int | None = None) -> RuntimeConfig:
-    """Build the runtime's ``RuntimeConfig``."""
-    from runtime import RuntimeConfig
-
-    return RuntimeConfig(device=device, dtype=dtype.value if isinstance(dtype, Enum) else dtype, threads=threads)
-
-
-def load_options(offline: bool = False, revision: str | None = None, quantize: str | None = None) -> LoadOptions:
-    """Build the runtime's ``LoadOptions`` from flags and the environment."""
-    from runtime import LoadOptions
-
-    hf_cache = os.environ.get("HF_HUB_CACHE")
-    return LoadOptions(
-        models_dir=models_dir(),
-        hf_cache_dir=Path(hf_cache) if hf_cache else None,
-        offline=offline or env_offline(),
-        revision=revision,
-        token=os.environ.get("HF_TOKEN"),
-        quantize=quantize,
-    )
-
-
-def status(message: str) -> None:
-    """A one-line progress message on stderr (only when stderr is a terminal)."""
-    if sys.stderr.isatty():
-        sys.stderr.write(f"\x1b[2m{message}\x1b[0m\n")
-        sys.stderr.flush()
-
-
-def load(
-    model: str | None,
-    target: str | None,
-    drafter: str | None,
-    device: str,
-    dtype: DtypeChoice | str,
-    offline: bool = False,
-    revision: str | None = None,
-    quantize: str | None = None,
-    threads: int | None = None,
-) -> Pipeline:
-    """Load a pipeline from the shared options (the CLI's one call into loading)."""
-    from transformers.utils import logging as hf_logging
-
-    from runtime import load_pipeline
-
-    hf_logging.disable_progress_bar()  # transformers' per-tensor "Loading weights" bar
-
-    pipe = load_pipeline(
-        model_ref(model, target, drafter),
-        runtime_config(device, dtype, threads),
-        load_options(offline, revision, quantize),
-        progress=status,
-    )
-    remember_use(pipe, model)
-    calibrate(pipe)
-    return pipe
-
-
-def calibrate(pipe: Pipeline, say: Callable[[str], None] | None = None) -> None:
-    """Give the pipeline this machine's measured verify costs (once per model/device/dtype/threads,
-    cached in DFLASH_HOME/calibration.json) so that the runtime picks the verify length from them.
-    GPUs verify a whole block for about the cost of one token and skip this."""
-    if pipe.drafter is None or pipe.device.type == "cuda":
-        return
-    from runtime.engine.calibrate import cache_key, cached_costs
-
-    cache_file = data_home() / "calibration.json"
-    known = cache_file.exists() and cache_key(pipe) in cache_file.read_text()
-    if not known:
-        (say or status)("measuring the verify cost on this machine once (a few seconds)")
-    pipe.costs = cached_costs(pipe, cache_file)
 
 
 def api_key_from_env() -> str | None:
@@ -244,50 +161,85 @@ def api_key_from_env() -> str | None:
     return None
 
 
-def remote_backend(server: str, model: str | None = None) -> RemoteBackend:
-    """A backend on an OpenAI-compatible server (``--server URL``).
-
-    ``model`` picks one of the server's models; a preset name also matches its target id (so
-    ``--model qwen3-8b`` finds ``Qwen/Qwen3-8B`` on vLLM). None: the server's first model.
-    """
-    from runtime.client.remote import RemoteBackend
-    from runtime.models import presets
-
-    backend = RemoteBackend(server, api_key=api_key_from_env(), model=model)
-    if model and model.lower() in presets.PRESETS:
-        served = backend.info().models
-        target = presets.PRESETS[model.lower()].target
-        if model not in served and target in served:
-            backend = RemoteBackend(server, api_key=backend.api_key, model=target)
-    return backend
-
-
-def make_backend(
-    server: str | None,
-    model: str | None,
-    target: str | None,
-    drafter: str | None,
-    device: str,
-    dtype: DtypeChoice | str,
+def session_options(
+    model: str | None = None,
+    target: str | None = None,
+    drafter: str | None = None,
+    device: str = "auto",
+    dtype: DtypeChoice | str = "auto",
     offline: bool = False,
     revision: str | None = None,
     quantize: str | None = None,
     threads: int | None = None,
-) -> Backend:
-    """What run, chat and bench generate with: a remote server when ``server`` is set (``--server``),
-    else the local pair loaded from the shared options.
-
-    Both implement ``runtime.backend.Backend`` (``describe``, ``stream_prompt``,
-    ``stream_messages``); the remote one also has ``stream_ids`` and ``per_token_status``.
+    server: str | None = None,
+    decode: DecodeOptions | None = None,
+) -> SessionOptions:
+    """The runtime's ``SessionOptions`` from the shared flags and the environment (the one place
+    where the CLI turns options into what ``runtime.session.open_backend`` takes).
 
     Raises:
         typer.BadParameter: --server together with --target/--drafter (the server has its models).
     """
-    if server:
-        if target or drafter:
-            raise typer.BadParameter("--server excludes --target/--drafter: the server decides the models")
-        return remote_backend(server, model)
-    return load(model, target, drafter, device, dtype, offline, revision, quantize, threads)
+    from runtime import DecodeOptions
+    from runtime.session import SessionOptions
+
+    if server and (target or drafter):
+        raise typer.BadParameter("--server excludes --target/--drafter: the server decides the models")
+    hf_cache = os.environ.get("HF_HUB_CACHE")
+    return SessionOptions(
+        model=model,
+        target=target,
+        drafter=drafter,
+        device=device,
+        dtype=dtype.value if isinstance(dtype, Enum) else dtype,
+        threads=threads,
+        offline=offline or env_offline(),
+        revision=revision,
+        quantize=quantize,
+        models_dir=models_dir(),
+        hf_cache_dir=Path(hf_cache) if hf_cache else None,
+        hf_token=os.environ.get("HF_TOKEN"),
+        server=server,
+        api_key=api_key_from_env() if server else None,
+        decode=decode or DecodeOptions(),
+        usage_log=usage_log_path(),
+        calibration_file=data_home() / "calibration.json",
+    )
+
+
+def load_options(offline: bool = False, revision: str | None = None, quantize: str | None = None) -> LoadOptions:
+    """The runtime's ``LoadOptions`` (where models come from) from flags and the environment."""
+    return session_options(offline=offline, revision=revision, quantize=quantize).load
+
+
+def status(message: str) -> None:
+    """A one-line progress message on stderr (only when stderr is a terminal)."""
+    if sys.stderr.isatty():
+        _stderr().print(message, style="dim", markup=False, highlight=False)
+
+
+def quiet_transformers() -> None:
+    """No per-tensor "Loading weights" bar from transformers (the CLI prints its own progress)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+def open_backend(opts: SessionOptions, progress: Callable[[str], None] = status) -> Backend:
+    """``runtime.session.open_backend`` with the CLI's progress line: a remote server or the local pair."""
+    from runtime.session import open_backend as open_
+
+    if not opts.server:
+        quiet_transformers()
+    return open_(opts, progress)
+
+
+def open_pipeline(opts: SessionOptions, progress: Callable[[str], None] = status) -> Pipeline:
+    """``runtime.session.open_pipeline`` with the CLI's progress line (commands that need the models)."""
+    from runtime.session import open_pipeline as open_
+
+    quiet_transformers()
+    return open_(opts, progress)
 
 
 def read_prompt(argument: str | None) -> str:

@@ -11,17 +11,14 @@ from typing import Any, TypeVar
 import typer
 from typer.exceptions import TyperException
 
-from .common import debug_enabled
+from .common import console, debug_enabled
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
 def error_line(message: str) -> None:
     """Print ``dflash: error: message`` on stderr (red on a terminal)."""
-    text = f"dflash: error: {message}"
-    if sys.stderr.isatty():
-        text = f"\x1b[31m{text}\x1b[0m"
-    print(text, file=sys.stderr, flush=True)
+    console(stderr=True).print(f"dflash: error: {message}", style="red")
 
 
 def handle_errors(fn: F) -> F:

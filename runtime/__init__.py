@@ -1,8 +1,9 @@
 """dflash runtime: the DFlash speculative-decoding engine.
 
 The runtime knows nothing about terminals, colours or command lines: it never imports typer,
-click, rich or textual (a test enforces this). The CLI and the TUI call ``load_pipeline`` and
-consume the typed events of ``Pipeline.stream`` / ``Decoder.stream``:
+click, rich or textual (a test enforces this). The CLI and the TUI build a ``SessionOptions``, call
+``open_backend`` (a local ``Pipeline`` or a remote server, both ``Backend``s) and consume the typed
+events of ``Backend.stream``:
 
     PrefillDone -> BlockVerified* -> Finished
 
@@ -12,7 +13,7 @@ Configuration arrives as frozen dataclasses; nothing here reads environment vari
 
 from __future__ import annotations
 
-from runtime.backend import Backend
+from runtime.backend import Backend, Capabilities
 from runtime.config import DecodeOptions, DFlashConfig, RuntimeConfig, SamplingParams
 from runtime.engine import AutoregressiveDecoder, CancelToken, Decoder, DFlashDecoder
 from runtime.engine.events import (
@@ -37,12 +38,14 @@ from runtime.errors import (
     UnsupportedModelError,
 )
 from runtime.pipeline import LoadOptions, ModelRef, Pipeline, load_pipeline
+from runtime.session import SessionOptions, open_backend
 
 __all__ = [
     "AutoregressiveDecoder",
     "Backend",
     "BlockVerified",
     "CancelToken",
+    "Capabilities",
     "ConfigError",
     "DFlashConfig",
     "DFlashDecoder",
@@ -64,9 +67,11 @@ __all__ = [
     "PrefillDone",
     "RuntimeConfig",
     "SamplingParams",
+    "SessionOptions",
     "TokenEvent",
     "TokenStatus",
     "UnsupportedModelError",
     "event_to_json",
     "load_pipeline",
+    "open_backend",
 ]

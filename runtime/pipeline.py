@@ -9,13 +9,14 @@ CLI, the TUI, bench and the server make.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from runtime.backend import Capabilities
 from runtime.config import DecodeOptions, RuntimeConfig, SamplingParams
 from runtime.engine import AutoregressiveDecoder, CancelToken, Decoder, DFlashDecoder
 from runtime.engine.calibrate import VerifyCosts
@@ -110,19 +111,24 @@ def resolve_pair(ref: ModelRef, opts: LoadOptions, progress: Progress | None = N
 
         drafter = recorded_drafter(ref.target)  # a `dflash quantize` folder remembers its drafter
     assert target is not None
-    hub = {"cache_dir": opts.hf_cache_dir, "revision": opts.revision, "offline": opts.offline, "token": opts.token}
+
+    def hub(name: str, kind: str) -> Path:
+        return resolve_model(
+            name, kind, cache_dir=opts.hf_cache_dir, revision=opts.revision, offline=opts.offline, token=opts.token
+        )
+
     if target == "embedded":
         target_dir = embedded.require_embedded_target(opts.models_dir, progress)
         target_name = embedded.TARGET_NAME
     else:
-        target_dir = resolve_model(target, "target", **hub)
+        target_dir = hub(target, "target")
         target_name = target
     drafter_dir: Path | None = None
     drafter_name: str | None = None
     if drafter == "embedded":
         drafter_dir, drafter_name = embedded.embedded_drafter_dir(), "dflash/" + embedded.DRAFTER_DIR.name
     elif drafter and drafter != "none":
-        drafter_dir, drafter_name = resolve_model(drafter, "drafter", **hub), drafter
+        drafter_dir, drafter_name = hub(drafter, "drafter"), drafter
     thinking = bool(preset.thinking) if preset else False
     return ResolvedPair(target_dir, drafter_dir, target_name, drafter_name, thinking)
 
@@ -165,7 +171,7 @@ def load_target_model(target_dir: Path, device: torch.device, dtype: torch.dtype
     if device.type == "cuda" and importlib.util.find_spec("accelerate") is not None:
         kw["device_map"] = str(device)
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(target_dir), **kw)
+        model: Any = AutoModelForCausalLM.from_pretrained(str(target_dir), **kw)
     except torch.OutOfMemoryError:
         raise
     except ValueError as e:
@@ -274,13 +280,13 @@ class Pipeline:
             return self.encode_messages(messages)
         return list(self.tokenizer.encode(text, add_special_tokens=True))
 
-    def encode_messages(self, messages: Sequence[dict[str, str]]) -> list[int]:
+    def encode_messages(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
         """Apply the chat template (thinking off) to a conversation and tokenise it."""
         if not self.is_chat_model:
             raise InputError(f"target {self.pair.target_name} has no chat template; use raw mode (--raw)")
         assert self.tokenizer is not None
         text = self.tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=True, enable_thinking=False
+            [dict(m) for m in messages], tokenize=False, add_generation_prompt=True, enable_thinking=False
         )
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
@@ -353,37 +359,47 @@ class Pipeline:
             stop_token_ids=self.stop_token_ids,
         )
 
+    @property
+    def capabilities(self) -> Capabilities:
+        """What this pipeline's events and inputs carry (the ``Backend`` protocol)."""
+        return Capabilities(
+            per_token_origin=True, tokenizer=self.tokenizer is not None, chat_template=self.is_chat_model
+        )
+
     def stream(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        opts: DecodeOptions | None = None,
+        cancel: CancelToken | None = None,
+        *,
+        chat: bool | None = None,
+        system: str | None = None,
+    ) -> Iterator[DecodeEvent]:
+        """Generate from text (encoded with ``encode``) or token ids with a fresh decoder; see
+        ``Decoder.stream`` (the ``Backend`` protocol)."""
+        ids = self.encode(prompt, chat=chat, system=system) if isinstance(prompt, str) else prompt
+        return self.stream_ids(ids, params, opts, cancel)
+
+    def stream_ids(
         self,
         prompt_ids: Sequence[int],
         params: SamplingParams,
         opts: DecodeOptions | None = None,
         cancel: CancelToken | None = None,
     ) -> Iterator[DecodeEvent]:
-        """Generate from token ids with a fresh decoder; see ``Decoder.stream``."""
+        """Generate from token ids as they are; the ``Backend`` protocol."""
         return self.make_decoder(opts).stream(prompt_ids, params, cancel)
-
-    def stream_prompt(
-        self,
-        text: str,
-        params: SamplingParams,
-        opts: DecodeOptions | None = None,
-        cancel: CancelToken | None = None,
-        chat: bool | None = None,
-        system: str | None = None,
-    ) -> Iterator[DecodeEvent]:
-        """Encode ``text`` (see ``encode``) and stream; the ``Backend`` protocol."""
-        return self.stream(self.encode(text, chat=chat, system=system), params, opts, cancel)
 
     def stream_messages(
         self,
-        messages: Sequence[dict[str, str]],
+        messages: Sequence[Mapping[str, str]],
         params: SamplingParams,
         opts: DecodeOptions | None = None,
         cancel: CancelToken | None = None,
     ) -> Iterator[DecodeEvent]:
         """Apply the chat template to a conversation and stream; the ``Backend`` protocol."""
-        return self.stream(self.encode_messages(messages), params, opts, cancel)
+        return self.stream_ids(self.encode_messages(messages), params, opts, cancel)
 
     def describe(self) -> dict[str, Any]:
         """Names, device and dtype for display and bench records."""

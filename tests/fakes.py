@@ -14,6 +14,7 @@ import torch
 
 from runtime.config import SamplingParams
 from runtime.engine import CancelToken, DFlashDecoder
+from runtime.engine.acceptance import AcceptanceCounter
 from runtime.engine.drafter import DFlashDraftModel, DraftModelConfig, save_draft_model
 from runtime.engine.events import (
     BlockVerified,
@@ -224,13 +225,7 @@ def make_stats(**kw: Any) -> GenerationStats:
         total_seconds=0.1,
         tokens_per_second=10.0,
         decode_tokens_per_second=10.0,
-        verify_steps=0,
-        drafted_tokens=0,
-        accepted_tokens=0,
-        tau=1.0,
-        acceptance_rate=0.0,
-        per_position_acceptance=(0.0, 0.0, 0.0),
-        acceptance_histogram=(0, 0, 0, 0),
+        acceptance=AcceptanceCounter(slots=3).counts(),
         block_size=4,
         verify_length=3,
         decoder="dflash",
@@ -274,8 +269,7 @@ class ScriptedDecoder:
         t0 = time.perf_counter()
         next_id = 1000
         first = TokenEvent(next_id, self.first, TokenStatus.TARGET)
-        generated, drafted, accepted, hist = 1, 0, 0, [0, 0, 0, 0]
-        pos_ok, pos_tried = [0, 0, 0], [0, 0, 0]
+        generated, counter = 1, AcceptanceCounter(slots=3)
         yield PrefillDone(prompt_tokens=len(prompt_ids), seconds=0.01, tokens=(first,))
         reason = "length"
         for i, (acc, tgt, rej) in enumerate(self.blocks):
@@ -293,14 +287,8 @@ class ScriptedDecoder:
             next_id += 1
             toks.append(TokenEvent(next_id, tgt, TokenStatus.TARGET))
             draft = tuple(range(next_id + 100, next_id + 100 + len(acc) + len(rej)))
-            k = len(draft)
-            drafted += k
-            accepted += len(acc)
+            counter.record(len(draft), len(acc))
             generated += len(toks)
-            hist[min(len(acc), 3)] += 1
-            for j in range(min(k, 3)):
-                pos_tried[j] += 1
-                pos_ok[j] += int(j < len(acc))
             yield BlockVerified(
                 draft=draft,
                 draft_text=tuple(acc) + tuple(rej),
@@ -308,18 +296,11 @@ class ScriptedDecoder:
                 tokens=tuple(toks),
                 seconds=0.01,
             )
-        steps = sum(hist)
         stats = make_stats(
             prompt_tokens=len(prompt_ids),
             generated_tokens=generated,
             total_seconds=time.perf_counter() - t0,
-            verify_steps=steps,
-            drafted_tokens=drafted,
-            accepted_tokens=accepted,
-            tau=(accepted + steps) / steps if steps else 1.0,
-            acceptance_rate=accepted / drafted if drafted else 0.0,
-            per_position_acceptance=tuple(o / t if t else 0.0 for o, t in zip(pos_ok, pos_tried, strict=True)),
-            acceptance_histogram=tuple(hist),
+            acceptance=counter.counts(),
         )
         yield Finished(reason=reason, stats=stats)  # type: ignore[arg-type]
 

@@ -103,6 +103,7 @@ class ServeProcess:
             text=True,
         )
         self._ready = threading.Event()
+        self._interrupted = False
         self.url = ""
         threading.Thread(target=self._drain, daemon=True).start()
         if wait:
@@ -130,11 +131,17 @@ class ServeProcess:
         """Send SIGINT (as Ctrl-C) without waiting."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
+            self._interrupted = True
 
     def stop(self) -> int:
-        """SIGINT (as Ctrl-C), then kill if it hangs; returns the exit code."""
+        """SIGINT (as Ctrl-C) unless ``interrupt`` sent it, then kill if it hangs; returns the exit code.
+
+        One Ctrl-C only: a second one that lands while the server shuts down kills the process
+        (exit -2), which made the pool's teardown fail at random on a busy machine."""
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
+            if not self._interrupted:
+                self.proc.send_signal(signal.SIGINT)
+                self._interrupted = True
             try:
                 self.proc.wait(timeout=20)
             except subprocess.TimeoutExpired:

@@ -25,6 +25,7 @@ from runtime.bench.runner import (
     summarise,
 )
 from runtime.bench.store import BenchStore, compare_runs
+from runtime.engine.acceptance import AcceptanceCounts
 from runtime.errors import ConfigError, InputError
 from tests.fakes import OracleDecoder
 
@@ -80,7 +81,9 @@ def test_protocol_warms_up_then_rotates_methods_per_prompt(monkeypatch):
         def run(pipe, opts_or_method, ids, params, mem, **kw):
             method = opts_or_method if isinstance(opts_or_method, str) else opts_or_method.decoder
             calls.append((method, ids[0], params.max_new_tokens))
-            return PromptRun(tokens=(1, 2, 3), seconds=0.1, ttft_seconds=0.01, steps=2, committed_in_steps=2)
+            return PromptRun(
+                tokens=(1, 2, 3), seconds=0.1, ttft_seconds=0.01, acceptance=AcceptanceCounts(steps=2, committed=2)
+            )
 
         return run
 
@@ -116,8 +119,7 @@ def run_of(tokens, seconds=1.0):
         tokens=tuple(tokens),
         seconds=seconds,
         ttft_seconds=0.1,
-        steps=len(tokens) - 1,
-        committed_in_steps=len(tokens) - 1,
+        acceptance=AcceptanceCounts(steps=len(tokens) - 1, committed=len(tokens) - 1),
     )
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from runtime.config import SamplingParams
 from runtime.engine import AutoregressiveDecoder, DFlashDecoder
@@ -30,12 +29,13 @@ def test_dflash_greedy_equals_plain_greedy(arch, block):
     drafter = make_drafter(model.config, block_size=max(block, 2), taps=[0, 2, 3])
     params = SamplingParams(max_new_tokens=24)
     for p in prompts(20, 96, seed=block):
+        # the reference is cache-free greedy decoding (one full forward per token), not the loop itself:
+        # plain decoding is the same loop with a block of one, so comparing the two alone proves little
+        ref = greedy_reference(model, p, 24)
         plain = collect_ids(list(AutoregressiveDecoder(target).stream(p, params)))
         spec = collect_ids(list(DFlashDecoder(target, drafter, block_size=block).stream(p, params)))
-        assert spec == plain, (arch, block, p)
-    # and the plain loop itself equals cache-free greedy decoding
-    p = prompts(1, 96, seed=99)[0]
-    assert collect_ids(list(AutoregressiveDecoder(target).stream(p, params))) == greedy_reference(model, p, 24)
+        assert plain == ref, (arch, block, p)
+        assert spec == ref, (arch, block, p)
 
 
 @pytest.mark.parametrize("corrupt", [0.0, 0.3, 0.7])
@@ -97,20 +97,18 @@ def test_stop_token_ends_generation_even_when_it_is_the_mask_id():
     p = [3, 4, 5]
     ref = greedy_reference(model, p, 40)
     stop = ref[10]  # the 11th greedy token
-    first = ref.index(stop)
     drafter = make_drafter(model.config, block_size=4, mask_token_id=stop)
+    ref2 = greedy_reference(model, p + [stop], 40)
+    assert stop in ref2[1:-1]  # the case under test: the stop id comes again mid-answer (seeded model)
+    cut = ref2.index(stop) + 1
     for dec in (
         OracleDecoder(target, drafter, stop_token_ids=[stop]),
         DFlashDecoder(target, drafter, stop_token_ids=[stop]),
         AutoregressiveDecoder(target, stop_token_ids=[stop]),
     ):
         events = list(dec.stream(p + [stop], SamplingParams(max_new_tokens=40)))  # the stop id in the prompt too
-        ids = collect_ids(events)
-        ref2 = greedy_reference(model, p + [stop], 40)
-        cut = ref2.index(stop) + 1 if stop in ref2 else 40
-        assert ids == ref2[:cut]
-        assert events[-1].reason == ("stop" if stop in ref2 else "length")
-    assert first >= 0
+        assert collect_ids(events) == ref2[:cut]
+        assert events[-1].reason == "stop"
 
 
 def test_stop_id_via_params_and_ignore_eos():
@@ -199,4 +197,3 @@ def test_torch_generator_seeded_sampling_is_reproducible():
         )
     )
     assert a == b and a != c
-    assert torch.get_num_threads() >= 1

@@ -50,6 +50,7 @@ class FakeEngine:
         self.headers: list[dict] = []
         self.per_request_metrics = True
         self.counters = [10.0, 100.0, 40.0]  # vllm: drafts, draft tokens, accepted tokens
+        self.per_pos = [25.0, 15.0]  # vllm: accepted tokens per draft position (they add up to the accepted)
         self.fail_mid_stream = False
         self.app = Starlette(
             routes=[
@@ -65,13 +66,14 @@ class FakeEngine:
 
     async def metrics(self, request: Request):
         d, t, a = self.counters
+        p0, p1 = self.per_pos
         lines = [
             "# TYPE vllm:spec_decode_num_drafts counter",
             f'vllm:spec_decode_num_drafts_total{{engine="0",model_name="m"}} {d}',
             f'vllm:spec_decode_num_draft_tokens_total{{engine="0",model_name="m"}} {t}',
             f'vllm:spec_decode_num_accepted_tokens_total{{engine="0",model_name="m"}} {a}',
-            f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="m",position="0"}} {a / 2}',
-            f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="m",position="1"}} {a / 4}',
+            f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="m",position="0"}} {p0}',
+            f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="m",position="1"}} {p1}',
         ]
         return PlainTextResponse("\n".join(lines) + "\n")
 
@@ -87,6 +89,7 @@ class FakeEngine:
             )
         chat = request.url.path.endswith("chat/completions")
         self.counters = [self.counters[0] + 2, self.counters[1] + 30, self.counters[2] + 3]
+        self.per_pos = [self.per_pos[0] + 2, self.per_pos[1] + 1]  # 2 steps: both accept draft 1, one draft 2
 
         def choice(text, finish=None):
             if chat:
@@ -117,7 +120,7 @@ class FakeEngine:
 
 
 def run_events(backend, **kw):
-    return list(backend.stream_prompt("hi", SamplingParams(temperature=0.0, max_new_tokens=8), **kw))
+    return list(backend.stream("hi", SamplingParams(temperature=0.0, max_new_tokens=8), **kw))
 
 
 def test_vllm_text_and_per_request_spec_metrics():
@@ -125,7 +128,7 @@ def test_vllm_text_and_per_request_spec_metrics():
     with ThreadServer(fake.app) as srv:
         backend = RemoteBackend(srv.url + "/v1/")
         events = run_events(backend)
-        assert backend.describe()["engine"] == "vllm" and backend.per_token_status is False
+        assert backend.describe()["engine"] == "vllm" and backend.capabilities.per_token_origin is False
     assert isinstance(events[0], PrefillDone) and events[0].text == "Hel"
     assert isinstance(events[1], BlockVerified) and events[1].text == "lo" and events[1].draft == ()
     assert all(t.status == TokenStatus.TARGET for e in events[:-1] for t in e.tokens)
@@ -157,7 +160,7 @@ def test_vllm_without_per_request_metrics_uses_prometheus_counters():
     with ThreadServer(fake.app) as srv:
         s = run_events(RemoteBackend(srv.url))[-1].stats
     assert (s.verify_steps, s.drafted_tokens, s.accepted_tokens) == (2, 30, 3)
-    assert s.tau == pytest.approx(2.5) and s.per_position_acceptance == (0.75, 0.375)
+    assert s.tau == pytest.approx(2.5) and s.per_position_acceptance == (1.0, 0.5)
 
 
 def test_sglang_spec_tokens_details():

@@ -100,7 +100,7 @@ def test_text_completion_streamed_and_not_match_local(server, local):
     assert status == 200 and whole["object"] == "text_completion"
     _, chunks = sse(server.url + "/v1/completions", {**body, "stream": True})
     streamed = "".join(c["choices"][0]["text"] for c in chunks[:-1])
-    expected = local_text(local.stream_prompt(prompt, greedy(12), chat=False))
+    expected = local_text(local.stream(prompt, greedy(12), chat=False))
     assert whole["choices"][0]["text"] == streamed == expected
     assert whole["usage"]["prompt_tokens"] == len(local.encode(prompt, chat=False))
 
@@ -290,7 +290,7 @@ def test_decoder_options_per_request(server, local):
 
 
 @pytest.mark.parametrize(
-    # verify length pinned: each process learns its own step costs, so an adaptive K may differ between them
+    # the verify length is pinned: chosen from measured costs, it may differ between two processes
     "opts",
     [DecodeOptions(verify_length=3), DecodeOptions(decoder="ar"), DecodeOptions(block_size=2)],
     ids=["dflash", "ar", "b2"],
@@ -301,8 +301,8 @@ def test_remote_backend_gives_the_local_events(server, local, opts):
 
     remote = RemoteBackend(server.url)
     params = greedy(12, ignore_eos=True)
-    got = list(remote.stream_prompt("def add(a, b):", params, opts, chat=False))
-    want = list(local.stream_prompt("def add(a, b):", params, opts, chat=False))
+    got = list(remote.stream("def add(a, b):", params, opts, chat=False))
+    want = list(local.stream("def add(a, b):", params, opts, chat=False))
 
     def shape(events):
         return [(type(e).__name__, [(t.token_id, t.text, t.status) for t in e.tokens]) for e in events[:-1]]
@@ -315,4 +315,4 @@ def test_remote_backend_gives_the_local_events(server, local, opts):
         w.block_size,
         w.drafted_tokens,
     )
-    assert remote.per_token_status and remote.describe()["engine"] == "dflash"
+    assert remote.capabilities.per_token_origin and remote.describe()["engine"] == "dflash"

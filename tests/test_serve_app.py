@@ -12,6 +12,7 @@ import pytest
 
 from dflash_cli.server.app import ServeConfig, create_app
 from dflash_cli.server.protocol import Limits
+from runtime.backend import Capabilities
 from tests.fakes import ScriptedDecoder
 from tests.http_helpers import ThreadServer, get, metric, post, sse
 
@@ -22,7 +23,7 @@ BLOCKS = [(["a", "b"], "c", ["x"]), ([], "d", ["y", "z"]), (["e"], "f", [])]
 class ScriptedBackend:
     """A ``Backend`` that replays a ``ScriptedDecoder`` (prompt ids are the message count)."""
 
-    is_chat_model = True
+    capabilities = Capabilities()
 
     def __init__(self, decoder: ScriptedDecoder) -> None:
         self.decoder = decoder
@@ -40,8 +41,11 @@ class ScriptedBackend:
     def stream_messages(self, messages, params, opts=None, cancel=None):
         return self._run(list(range(len(messages))), params, cancel)
 
-    def stream_prompt(self, text, params, opts=None, cancel=None, chat=None, system=None):
+    def stream(self, prompt, params, opts=None, cancel=None, *, chat=None, system=None):
         return self._run([1, 2, 3], params, cancel)
+
+    def stream_ids(self, prompt_ids, params, opts=None, cancel=None):
+        return self._run(list(prompt_ids), params, cancel)
 
 
 def serve(decoder, **config):

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from runtime.backend import Capabilities
 from runtime.config import DecodeOptions, SamplingParams
 from runtime.engine import CancelToken
 from runtime.engine.events import DecodeEvent, Finished
@@ -76,15 +77,38 @@ class FakeBackend:
         }
         self.calls: list[tuple[list[dict[str, str]], SamplingParams, DecodeOptions | None]] = []
 
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(per_token_origin=bool(self.info.get("per_token_status", True)))
+
     def describe(self) -> dict[str, Any]:
         return dict(self.info)
 
-    def stream_prompt(self, text: str, params: SamplingParams, opts=None, cancel=None, chat=None, system=None):  # noqa: ANN001
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        opts: DecodeOptions | None = None,
+        cancel: CancelToken | None = None,
+        *,
+        chat: bool | None = None,
+        system: str | None = None,
+    ) -> Iterator[DecodeEvent]:
+        text = prompt if isinstance(prompt, str) else " ".join(map(str, prompt))
         return self.stream_messages([{"role": "user", "content": text}], params, opts, cancel)
+
+    def stream_ids(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        opts: DecodeOptions | None = None,
+        cancel: CancelToken | None = None,
+    ) -> Iterator[DecodeEvent]:
+        return self.stream(prompt_ids, params, opts, cancel)
 
     def stream_messages(
         self,
-        messages: Sequence[dict[str, str]],
+        messages: Sequence[Mapping[str, str]],
         params: SamplingParams,
         opts: DecodeOptions | None = None,
         cancel: CancelToken | None = None,

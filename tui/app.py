@@ -1,9 +1,9 @@
 """The chat app: a transcript coloured by token origin, a multi-line prompt and live statistics.
 
-The app depends on the runtime's ``Backend`` protocol only (``describe`` and ``stream_messages``):
-a local pipeline or a remote server. Tokens are coloured by origin only when the backend reports it
-(``per_token_status``, True unless a backend says otherwise: vLLM and SGLang send plain text, shown
-uncoloured with the statistics the server exposes). The app is built by
+The app depends on the runtime's ``Backend`` protocol only (``capabilities``, ``describe`` and
+``stream_messages``): a local pipeline or a remote server. Tokens are coloured by origin only when
+the backend's capabilities say its events carry it (``per_token_origin``: vLLM and SGLang send plain
+text, shown uncoloured with the statistics the server exposes). The app is built by
 ``make_app(backend_factory, config)``; the factory runs once in a worker thread (loading a model
 can take a while) and generation runs in another worker thread that posts one message per runtime
 event, so the UI never blocks.
@@ -25,7 +25,7 @@ from textual.widgets import Footer, Header, Static
 
 from runtime.backend import Backend
 from runtime.engine import CancelToken
-from runtime.engine.events import DecodeEvent, Finished
+from runtime.engine.events import BlockVerified, DecodeEvent, Finished
 
 from .config import BackendFactory, ChatConfig
 from .screens import HelpScreen, SessionsScreen, SystemPromptScreen
@@ -179,7 +179,11 @@ class ChatApp(App[None]):
     def load_backend(self) -> None:
         """Build the backend in a worker thread; progress and the outcome come back as messages."""
         try:
-            backend = self.backend_factory(lambda text: self.post_message(self.LoadProgress(text)))
+
+            def progress(text: str) -> None:
+                self.post_message(self.LoadProgress(text))
+
+            backend = self.backend_factory(progress)
         except Exception as e:
             self.post_message(self.LoadFailed(e))
         else:
@@ -201,7 +205,7 @@ class ChatApp(App[None]):
         except Exception:
             self.model_info = {}
         try:
-            self.per_token_status = bool(getattr(message.backend, "per_token_status", True))
+            self.per_token_status = message.backend.capabilities.per_token_origin
         except Exception:
             self.per_token_status = False
         self.query_one(Legend).refresh()
@@ -300,7 +304,7 @@ class ChatApp(App[None]):
         if isinstance(event, Finished):
             self.finish(event)
             return
-        if event.tokens or getattr(event, "draft", ()):
+        if event.tokens or (isinstance(event, BlockVerified) and event.draft):
             turn.add_event(event)
         if event.type == "prefill":
             turn.set_header("streaming… (Esc stops)")
@@ -331,8 +335,7 @@ class ChatApp(App[None]):
             f"{tracker.generated_tokens} tok · {tracker.tokens_per_second:.1f} tok/s"
             f" · TTFT {tracker.ttft_seconds * 1000:.0f} ms"
         )
-        drafted = tracker.final.drafted_tokens if tracker.final is not None else tracker.drafted
-        if drafted:
+        if tracker.drafted:
             line += f" · τ {tracker.tau:.2f} · accept {tracker.acceptance_rate * 100:.0f}%"
         return line + f" · {tracker.reason}"
 

@@ -7,10 +7,11 @@ when ``Finished`` arrives, the runtime's own ``GenerationStats`` replace the liv
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from runtime.engine.acceptance import AcceptanceCounter, AcceptanceCounts
 from runtime.engine.events import BlockVerified, DecodeEvent, Finished, GenerationStats, PrefillDone
 
 BARS = " ▁▂▃▄▅▆▇█"
@@ -36,16 +37,10 @@ def histogram_bars(counts: Sequence[int]) -> str:
     return "".join(" " if c <= 0 else bar(max(c / top, lowest)) for c in counts)
 
 
-def _add_into(total: list[int], part: Sequence[int]) -> None:
-    if len(part) > len(total):
-        total.extend([0] * (len(part) - len(total)))
-    for i, v in enumerate(part):
-        total[i] += v
-
-
 @dataclass
 class GenerationTracker:
-    """Statistics of one generation, updated per event.
+    """Statistics of one generation, updated per event (the counting itself is
+    ``runtime.engine.acceptance``'s).
 
     Attributes:
         slots: draft slots per block (block size - 1) the bars show; grows if a block drafts more.
@@ -55,12 +50,8 @@ class GenerationTracker:
         ttft: time to first token in seconds.
         seconds: device time so far (prefill + every verify step).
         generated: committed tokens so far.
-        steps: verify steps so far.
-        drafted: drafts proposed so far.
-        accepted: drafts accepted so far.
-        pos_tried, pos_ok: per draft slot, steps that verified the slot and steps that accepted it.
-        hist: entry i counts steps that accepted exactly i drafts.
-        final: the runtime's stats once ``Finished`` arrived.
+        live: acceptance counts of the verify steps seen so far.
+        final: the runtime's stats once ``Finished`` arrived (its counts replace the live ones).
         reason: the finish reason once known.
     """
 
@@ -70,22 +61,9 @@ class GenerationTracker:
     ttft: float = 0.0
     seconds: float = 0.0
     generated: int = 0
-    steps: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    pos_tried: list[int] = field(default_factory=list)
-    pos_ok: list[int] = field(default_factory=list)
-    hist: list[int] = field(default_factory=list)
+    live: AcceptanceCounter = field(default_factory=AcceptanceCounter)
     final: GenerationStats | None = None
     reason: str | None = None
-
-    def __post_init__(self) -> None:
-        self._grow(self.slots)
-
-    def _grow(self, slots: int) -> None:
-        self.slots = max(self.slots, slots)
-        for seq, n in ((self.pos_tried, self.slots), (self.pos_ok, self.slots), (self.hist, self.slots + 1)):
-            seq.extend([0] * (n - len(seq)))
 
     def update(self, event: DecodeEvent) -> None:
         """Fold one event in."""
@@ -97,37 +75,28 @@ class GenerationTracker:
         elif isinstance(event, BlockVerified):
             self.seconds += event.seconds
             self.generated += len(event.tokens)
-            if not self.origin:  # a chunk of text, not a verify step
-                return
-            k, a = len(event.draft), event.accepted
-            self._grow(k)
-            self.steps += 1
-            self.drafted += k
-            self.accepted += a
-            self.hist[a] += 1
-            for j in range(k):
-                self.pos_tried[j] += 1
-                self.pos_ok[j] += int(j < a)
+            if self.origin:  # else a chunk of text, not a verify step
+                self.live.record(len(event.draft), event.accepted)
         elif isinstance(event, Finished):
             self.final = event.stats
             self.reason = event.reason
-            self._grow(max(event.stats.block_size - 1, 0))
-            if not self.origin:
-                self._counts_from(event.stats)
+            self.slots = max(self.slots, event.stats.block_size - 1)
 
-    def _counts_from(self, s: GenerationStats) -> None:
-        """Per-step counts from a server's final statistics (what the session totals add up)."""
-        self.steps, self.drafted, self.accepted = s.verify_steps, s.drafted_tokens, s.accepted_tokens
-        self._grow(max(len(s.per_position_acceptance), len(s.acceptance_histogram) - 1, 0))
-        self.pos_tried = [s.verify_steps if j < len(s.per_position_acceptance) else 0 for j in range(self.slots)]
-        self.pos_ok = [round(p * s.verify_steps) for p in s.per_position_acceptance]
-        self.pos_ok += [0] * (self.slots - len(self.pos_ok))
-        self.hist = list(s.acceptance_histogram) + [0] * (self.slots + 1 - len(s.acceptance_histogram))
+    @property
+    def counts(self) -> AcceptanceCounts:
+        """Acceptance counts: the runtime's once finished, else those seen so far (padded to ``slots``)."""
+        counts = self.final.acceptance if self.final is not None else self.live.counts()
+        return counts.padded(self.slots)
 
     @property
     def done(self) -> bool:
         """True once ``Finished`` arrived."""
         return self.final is not None
+
+    @property
+    def drafted(self) -> int:
+        """Drafts proposed so far."""
+        return self.counts.drafted
 
     @property
     def tokens_per_second(self) -> float:
@@ -144,37 +113,28 @@ class GenerationTracker:
     @property
     def tau_known(self) -> bool:
         """True when there are verify steps to count (a server without statistics reports none)."""
-        return self.steps > 0 or (self.final is not None and self.final.verify_steps > 0)
+        return self.counts.steps > 0
 
     @property
     def tau(self) -> float:
-        """Mean tokens committed per verify step, bonus included."""
-        if self.final is not None:
-            return self.final.tau
-        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
+        """Mean tokens committed per verify step, bonus included (0.0 before the first step)."""
+        counts = self.counts
+        return counts.tau if counts.steps else 0.0
 
     @property
     def acceptance_rate(self) -> float:
         """Accepted drafts / drafted tokens."""
-        if self.final is not None:
-            return self.final.acceptance_rate
-        return self.accepted / self.drafted if self.drafted else 0.0
+        return self.counts.acceptance_rate
 
     @property
     def per_position(self) -> list[float]:
         """Per draft slot, the share of steps that verified it in which it was accepted."""
-        if self.final is not None and self.final.per_position_acceptance:
-            values = list(self.final.per_position_acceptance)
-            return values + [0.0] * (self.slots - len(values))
-        return [o / t if t else 0.0 for o, t in zip(self.pos_ok, self.pos_tried, strict=True)]
+        return list(self.counts.per_position)
 
     @property
     def histogram(self) -> list[int]:
         """Steps per acceptance length (0..slots)."""
-        if self.final is not None and self.final.acceptance_histogram:
-            values = list(self.final.acceptance_histogram)
-            return values + [0] * (self.slots + 1 - len(values))
-        return list(self.hist)
+        return list(self.counts.histogram)
 
     @property
     def generated_tokens(self) -> int:
@@ -187,20 +147,41 @@ class GenerationTracker:
         return self.final.total_seconds if self.final is not None else self.seconds
 
     def to_json(self) -> dict[str, Any]:
-        """What the session store keeps: the runtime's stats plus the per-slot counts."""
+        """What the session store keeps: the runtime's stats (with their raw ``acceptance``
+        counts) plus the reason and, for stores written before the counts, their old keys."""
         out: dict[str, Any] = self.final.to_json() if self.final is not None else {}
+        counts = self.counts
         out.update(
             {
                 "reason": self.reason,
-                "pos_tried": list(self.pos_tried),
-                "pos_ok": list(self.pos_ok),
-                "hist": list(self.hist),
-                "steps": self.steps,
-                "drafted": self.drafted,
-                "accepted": self.accepted,
+                "acceptance": counts.to_json(),
+                "pos_tried": list(counts.slot_tried),
+                "pos_ok": list(counts.slot_accepted),
+                "hist": list(counts.histogram),
+                "steps": counts.steps,
+                "drafted": counts.drafted,
+                "accepted": counts.accepted,
             }
         )
         return out
+
+
+def record_counts(rec: Mapping[str, Any]) -> AcceptanceCounts:
+    """The acceptance counts of a stored record (``GenerationTracker.to_json``; older records
+    kept per-slot counts under ``pos_tried``/``pos_ok``/``hist``)."""
+    if isinstance(rec.get("acceptance"), Mapping):
+        return AcceptanceCounts.from_json(rec["acceptance"])
+    steps = int(rec.get("steps", rec.get("verify_steps", 0)) or 0)
+    accepted = int(rec.get("accepted", rec.get("accepted_tokens", 0)) or 0)
+    return AcceptanceCounts(
+        steps=steps,
+        drafted=int(rec.get("drafted", rec.get("drafted_tokens", 0)) or 0),
+        accepted=accepted,
+        committed=accepted + steps,
+        slot_tried=tuple(int(x) for x in rec.get("pos_tried") or ()),
+        slot_accepted=tuple(int(x) for x in rec.get("pos_ok") or ()),
+        histogram=tuple(int(x) for x in rec.get("hist") or ()),
+    )
 
 
 @dataclass
@@ -211,29 +192,29 @@ class SessionTotals:
     generated: int = 0
     seconds: float = 0.0
     ttft_sum: float = 0.0
-    steps: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    pos_tried: list[int] = field(default_factory=list)
-    pos_ok: list[int] = field(default_factory=list)
-    hist: list[int] = field(default_factory=list)
+    counts: AcceptanceCounts = AcceptanceCounts()
 
     def add(self, gen: GenerationTracker) -> None:
         """Fold a finished generation in."""
         self.add_record(gen.to_json())
 
-    def add_record(self, rec: dict[str, Any]) -> None:
+    def add_record(self, rec: Mapping[str, Any]) -> None:
         """Fold a stored record (``GenerationTracker.to_json``) in."""
         self.generations += 1
         self.generated += int(rec.get("generated_tokens", 0))
         self.seconds += float(rec.get("total_seconds", 0.0))
         self.ttft_sum += float(rec.get("ttft_seconds", 0.0))
-        self.steps += int(rec.get("steps", rec.get("verify_steps", 0)))
-        self.drafted += int(rec.get("drafted", rec.get("drafted_tokens", 0)))
-        self.accepted += int(rec.get("accepted", rec.get("accepted_tokens", 0)))
-        _add_into(self.pos_tried, rec.get("pos_tried", []))
-        _add_into(self.pos_ok, rec.get("pos_ok", []))
-        _add_into(self.hist, rec.get("hist", []))
+        self.counts = self.counts + record_counts(rec)
+
+    @property
+    def steps(self) -> int:
+        """Verify steps over the session."""
+        return self.counts.steps
+
+    @property
+    def drafted(self) -> int:
+        """Drafts over the session."""
+        return self.counts.drafted
 
     @property
     def tokens_per_second(self) -> float:
@@ -247,20 +228,20 @@ class SessionTotals:
 
     @property
     def tau(self) -> float:
-        """Mean tokens committed per verify step over the session."""
-        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
+        """Mean tokens committed per verify step over the session (0.0 before the first step)."""
+        return self.counts.tau if self.counts.steps else 0.0
 
     @property
     def acceptance_rate(self) -> float:
         """Accepted / drafted over the session."""
-        return self.accepted / self.drafted if self.drafted else 0.0
+        return self.counts.acceptance_rate
 
     @property
     def per_position(self) -> list[float]:
         """Per draft slot acceptance over the session."""
-        return [o / t if t else 0.0 for o, t in zip(self.pos_ok, self.pos_tried, strict=False)]
+        return list(self.counts.per_position)
 
     @property
     def histogram(self) -> list[int]:
         """Steps per acceptance length over the session."""
-        return list(self.hist)
+        return list(self.counts.histogram)

@@ -142,7 +142,7 @@ class ChatStore:
             """,
             args,
         ).fetchall()
-        return [SessionInfo(*r[:7], turns=int(r[7]), tokens=int(r[8] or 0)) for r in rows]
+        return [SessionInfo(*r[:7], turns=int(r[7]), tokens=int(r[8] or 0)) for r in rows]  # type: ignore[misc]
 
     def get_session(self, session_id: int) -> SessionInfo | None:
         """One session's row, or None."""

@@ -70,7 +70,7 @@ class TokenChunk(OriginStyled):
         ghost = self.show_ghost()
         styles = {k: self.origin_style(k) for k in (ACCEPTED, TARGET, REJECTED)}
         styles[PLAIN] = ""
-        return Content.assemble(*((t, styles[k]) for t, k in self.parts if ghost or k != REJECTED))  # type: ignore[misc]
+        return Content.assemble(*((t, styles[k]) for t, k in self.parts if ghost or k != REJECTED))  # type: ignore[arg-type]
 
 
 class Legend(OriginStyled):
@@ -388,13 +388,13 @@ class StatsBar(Widget):
         accept = f"{rate * 100:.0f}%" if drafted else "–"
         tau_text = "–" if tau is None else f"{tau:.2f}"
         return Content.assemble(
-            (f"{label:<8}", lab),  # type: ignore[arg-type]
+            (f"{label:<8}", lab),
             f"{tokens} tok  {tps:.1f} tok/s  TTFT {_ms(ttft)}  τ {tau_text}  accept {accept}  ",
-            ("slots ", dim),  # type: ignore[arg-type]
-            (bars(slots), bar_style),  # type: ignore[arg-type]
-            ("  hist ", dim),  # type: ignore[arg-type]
-            (histogram_bars(hist), bar_style),  # type: ignore[arg-type]
-            (f"  {tail}" if tail else "", dim),  # type: ignore[arg-type]
+            ("slots ", dim),
+            (bars(slots), bar_style),
+            ("  hist ", dim),
+            (histogram_bars(hist), bar_style),
+            (f"  {tail}" if tail else "", dim),
         )
 
     def current_line(self) -> Content:
@@ -403,7 +403,7 @@ class StatsBar(Widget):
         if g is None:
             return Content.assemble(
                 ("last", self.get_visual_style("stats--label", partial=True)), "    no generation yet"
-            )  # type: ignore[arg-type]
+            )
         label = "now" if self.running else "last"
         tail = "" if self.running else f"{g.reason}"
         return self._line(
@@ -413,7 +413,7 @@ class StatsBar(Widget):
             g.ttft_seconds,
             g.tau if g.tau_known else None,
             g.acceptance_rate,
-            g.drafted > 0 or (g.final is not None and g.final.drafted_tokens > 0),
+            g.drafted > 0,
             g.per_position,
             g.histogram,
             tail,

@@ -31,10 +31,10 @@ from ..common import (
     TargetOpt,
     ThreadsOpt,
     VerifyOpt,
-    load,
-    load_options,
-    remote_backend,
+    open_pipeline,
+    session_options,
     state_dir,
+    status,
 )
 from ..errors import handle_errors
 from ..render import warn_block_size
@@ -189,19 +189,23 @@ def bench(
 
     if server:
         from runtime.bench.remote import remote_specs, run_bench_remote
+        from runtime.session import open_remote
 
-        backend = remote_backend(server, model)
+        backend = open_remote(session_options(model, server=server), status)
         remote_specs(config, backend.flavour)  # refuse what the server cannot run before any request
         result = _run_with_progress(lambda progress: run_bench_remote(backend, prompt_set, config, progress))
     else:
         from runtime.bench.runner import load_assistant, run_bench
 
-        pipe = load(model, target, drafter, device, dtype, offline, revision, quantize, threads)
+        session = session_options(model, target, drafter, device, dtype, offline, revision, quantize, threads)
+        pipe = open_pipeline(session)
         warn_block_size(pipe, sizes)
         if not method_list and pipe.drafter is None:
             _err(f"dflash: note: no drafter loaded for {pipe.pair.target_name}; skipping the dflash rows")
             config = replace(config, methods=tuple(m for m in config.methods if m != "dflash"), block_sizes=())
-        helper = load_assistant(assistant, pipe, load_options(offline, None, None)) if assistant else None
+        helper = (
+            load_assistant(assistant, pipe, replace(session.load, revision=None, quantize=None)) if assistant else None
+        )
         result = _run_with_progress(lambda progress: run_bench(pipe, prompt_set, config, helper, progress, quantize))
     doc = result.to_json(with_tokens=tokens)
     store = BenchStore(db_path())

@@ -37,18 +37,14 @@ from ..common import (
     TopKOpt,
     TopPOpt,
     VerifyOpt,
-    calibrate,
-    load_options,
-    model_ref,
-    remember_use,
-    remote_backend,
-    runtime_config,
+    open_backend,
+    session_options,
     state_dir,
 )
 from ..errors import handle_errors
 
 if TYPE_CHECKING:
-    from runtime import Backend, DecodeOptions
+    from runtime import Backend
 
 
 def chat_db() -> Path:
@@ -80,22 +76,6 @@ def _resume_id(value: str, db: Path) -> int:
         return int(value)
     finally:
         store.close()
-
-
-def _connect(server: str, model: str | None, opts: DecodeOptions, progress: Callable[[str], None]) -> Backend:
-    """The remote backend of ``--server``, checked in the app's loading worker (a failure shows in the app)."""
-    from runtime import ConfigError, DecodeOptions
-
-    progress(f"connecting to {server}")
-    backend = remote_backend(server, model)
-    info = backend.info()  # reaches the server once; describe() and per_token_status reuse it
-    if info.flavour != "dflash" and opts != DecodeOptions():
-        raise ConfigError(
-            f"--decoder/--block-size/--verify-length are set when a {info.flavour} server starts, "
-            "not per request; leave them out with --server (only dflash serve takes them)"
-        )
-    progress(f"{backend.model} on {backend.url} ({info.flavour})")
-    return backend
 
 
 @handle_errors
@@ -164,9 +144,7 @@ def chat(
     # --drafter none means plain decoding: no drafter to draft with.
     plain = decoder == DecoderChoice.ar or (drafter or "").lower() == "none"
     opts = DecodeOptions(decoder="ar" if plain else "dflash", block_size=block_size, verify_length=verify_length)
-    ref = model_ref(model, target, drafter)
-    runtime = runtime_config(device, dtype, threads)
-    loading = load_options(offline, revision, quantize)
+    session = session_options(model, target, drafter, device, dtype, offline, revision, quantize, threads, server, opts)
     resume_id = _resume_id(resume, db) if resume is not None else None
     if not interactive():
         raise ConfigError(
@@ -175,17 +153,8 @@ def chat(
         )
 
     def backend_factory(progress: Callable[[str], None]) -> Backend:
-        if server:
-            return _connect(server, model, opts, progress)
-        from transformers.utils import logging as hf_logging
-
-        from runtime import load_pipeline
-
-        hf_logging.disable_progress_bar()
-        pipe = load_pipeline(ref, runtime, loading, progress=progress)
-        remember_use(pipe, model)  # `dflash models` shows the last use
-        calibrate(pipe, say=progress)  # verify length chosen from this machine's costs
-        return pipe
+        # runs in the app's loading worker: progress and failures show in the app
+        return open_backend(session, progress)
 
     from tui import ChatConfig, make_app
 

@@ -20,16 +20,14 @@ from ..common import (
     ModelOpt,
     RevisionOpt,
     TargetOpt,
-    load,
-    load_options,
-    model_ref,
-    runtime_config,
+    console,
+    session_options,
     state_dir,
 )
 from ..errors import handle_errors
 
 _MARK = {"ok": "✓", "warn": "!", "fail": "✗", "info": "·"}
-_COLOUR = {"ok": "\x1b[32m", "warn": "\x1b[33m", "fail": "\x1b[31m", "info": "\x1b[2m"}
+_STYLE = {"ok": "green", "warn": "yellow", "fail": "red", "info": "dim"}
 
 
 @handle_errors
@@ -53,30 +51,31 @@ def doctor(
     """Check that this machine can run a pair (the embedded one by default) and print fixes."""
     from runtime.doctor import exit_code, run_doctor
 
-    ref = model_ref(model, target, drafter)
+    opts = session_options(model, target, drafter, device, dtype, offline=True, revision=revision)
     speed_file = state_dir() / "speed.json"
-    runtime = runtime_config(device, dtype)
-    if speed and exit_code(run_doctor(ref, runtime, load_options(True, revision))) == 0:
+    if speed and exit_code(run_doctor(opts.ref, opts.runtime, opts.load)) == 0:
+        from dataclasses import replace
+
         from runtime.bench.probe import measure_speed, save_result
+        from runtime.session import open_pipeline
 
         def load_with(scheme: str | None):  # type: ignore[no-untyped-def]
-            return load(model, target, drafter, device, dtype, True, revision, scheme)
+            return open_pipeline(replace(opts, quantize=scheme))
 
         save_result(measure_speed(load_with, progress=lambda m: print(m, file=sys.stderr)), speed_file)
-    checks = run_doctor(ref, runtime, load_options(True, revision), speed_file=speed_file)
+    checks = run_doctor(opts.ref, opts.runtime, opts.load, speed_file=speed_file)
     code = exit_code(checks)
     if json_out:
         print(json.dumps({"ok": code == 0, "exit_code": code, "checks": [c.to_json() for c in checks]}, indent=2))
     else:
-        colour = sys.stdout.isatty()
+        from rich.text import Text
+
+        out = console()
         width = max(len(c.area) for c in checks)
         for c in checks:
-            mark = _MARK[c.status]
-            if colour:
-                mark = f"{_COLOUR[c.status]}{mark}\x1b[0m"
-            print(f"{mark} {c.area.ljust(width)}  {c.message}")
+            out.print(Text.assemble((_MARK[c.status], _STYLE[c.status]), f" {c.area.ljust(width)}  {c.message}"))
             if c.fix:
-                print(f"  {' ' * width}  fix: {c.fix}")
+                out.print(f"  {' ' * width}  fix: {c.fix}")
         fails = sum(c.status == "fail" for c in checks)
         warns = sum(c.status == "warn" for c in checks)
         if fails:

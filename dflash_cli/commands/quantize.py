@@ -24,9 +24,8 @@ from ..common import (
     RevisionOpt,
     TargetOpt,
     ThreadsOpt,
-    load_options,
-    model_ref,
-    runtime_config,
+    quiet_transformers,
+    session_options,
 )
 from ..errors import handle_errors
 
@@ -176,12 +175,13 @@ def quantize(
     console = Console(stderr=True, highlight=False)
     if quantize_drafter is None:
         quantize_drafter = drafter is not None and drafter.lower() != "none"
+    session = session_options(model, target, drafter, device, dtype, offline, revision, threads=threads)
     req = QuantizeRequest(
         scheme=scheme.value,
         out=out,
-        ref=model_ref(model, target, drafter),
-        runtime=runtime_config(device, dtype, threads),
-        load=load_options(offline, revision),
+        ref=session.ref,
+        runtime=session.runtime,
+        load=session.load,
         quantize_drafter=quantize_drafter,
         force=force,
         report=report,
@@ -189,9 +189,7 @@ def quantize(
         report_prompts=report_prompts,
     )
 
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
+    quiet_transformers()
     bar: Progress | None = None  # shown while layers are quantized (the slow part on big models)
 
     def status(message: str) -> None:

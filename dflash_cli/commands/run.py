@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import signal
 import sys
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -35,13 +35,16 @@ from ..common import (
     TopKOpt,
     TopPOpt,
     VerifyOpt,
-    load,
-    make_backend,
+    open_backend,
     parse_ids,
     read_prompt,
+    session_options,
 )
 from ..errors import handle_errors
 from ..render import format_stats_line, paint, warn_block_size
+
+if TYPE_CHECKING:
+    from runtime import CancelToken
 
 INTERRUPTED = 130
 
@@ -49,7 +52,7 @@ INTERRUPTED = 130
 class _SigintCancel:
     """First Ctrl-C: cancel after the current step; second: raise KeyboardInterrupt at once."""
 
-    def __init__(self, cancel: Any) -> None:
+    def __init__(self, cancel: CancelToken) -> None:
         self.cancel = cancel
         self.previous: Any = None
 
@@ -128,22 +131,15 @@ def run(
     opts = DecodeOptions(decoder=decoder.value, block_size=block_size, verify_length=verify_length)
     use_chat = False if raw else (True if chat else None)
     cancel = CancelToken()
-    if server:  # a remote OpenAI-compatible server generates; same events, same rendering
-        remote: Any = make_backend(server, model, target, drafter, device, dtype)
-        show_ids = remote.describe().get("tokenizer") is False  # dflash serve without a tokenizer
-        if ids is not None:
-            events = remote.stream_ids(ids, params, opts, cancel)
-        else:
-            assert text is not None
-            events = remote.stream_prompt(text, params, opts, cancel, chat=use_chat, system=system)
-    else:
-        pipe = load(model, target, drafter, device, dtype, offline, revision, quantize, threads)
-        warn_block_size(pipe, block_size)
-        show_ids = pipe.tokenizer is None
-        if ids is None:
-            assert text is not None
-            ids = pipe.encode(text, chat=use_chat, system=system)
-        events = pipe.stream(ids, params, opts, cancel)
+    # a remote OpenAI-compatible server (--server) or the local pair: same events, same rendering
+    backend = open_backend(
+        session_options(model, target, drafter, device, dtype, offline, revision, quantize, threads, server, opts)
+    )
+    if not server:
+        warn_block_size(backend, block_size)  # above the drafter's trained block: slower, says so on stderr
+    show_ids = not backend.capabilities.tokenizer  # a pair without a tokenizer: ids in, ids out
+    prompt_in: str | list[int] = ids if ids is not None else (text or "")
+    events = backend.stream(prompt_in, params, opts, cancel, chat=use_chat, system=system)
     use_color = color == ColorChoice.always or (color == ColorChoice.auto and sys.stdout.isatty())
     out = sys.stdout
     finished = None

@@ -15,7 +15,7 @@ import subprocess
 import sys
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -35,11 +35,16 @@ from ..common import (
     ThreadsOpt,
     VerifyOpt,
     debug_enabled,
-    load,
     load_options,
+    open_pipeline,
+    session_options,
 )
 from ..errors import handle_errors
 from ..render import warn_block_size
+
+if TYPE_CHECKING:
+    from runtime import DecodeOptions, Pipeline
+    from runtime.session import SessionOptions
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -67,7 +72,7 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _served_names(model: str | None, target: str | None, pipe: Any, served: str | None) -> tuple[str, ...]:
+def _served_names(model: str | None, target: str | None, pipe: Pipeline, served: str | None) -> tuple[str, ...]:
     from runtime.models import presets
 
     if served:
@@ -237,27 +242,10 @@ def serve(
         raise ConfigError(f"--max-queue must be >= 0, got {max_queue}")
     opts = DecodeOptions(decoder=decoder.value, block_size=block_size, verify_length=verify_length)
     api_key = os.environ.get("DFLASH_API_KEY", "").strip() or None
+    session = session_options(model, target, drafter, device, dtype, offline, revision, quantize, threads)
     sock = _bind(host, port)
     try:
-        _serve_local(
-            sock,
-            host,
-            model,
-            target,
-            drafter,
-            device,
-            dtype,
-            offline,
-            revision,
-            quantize,
-            threads,
-            served_model_name,
-            max_tokens_limit,
-            max_queue,
-            opts,
-            api_key,
-            log_level,
-        )
+        _serve_local(sock, host, session, served_model_name, max_tokens_limit, max_queue, opts, api_key, log_level)
     finally:
         sock.close()
 
@@ -265,32 +253,26 @@ def serve(
 def _serve_local(
     sock: socket.socket,
     host: str,
-    model: str | None,
-    target: str | None,
-    drafter: str | None,
-    device: str,
-    dtype: DtypeChoice,
-    offline: bool,
-    revision: str | None,
-    quantize: str | None,
-    threads: int | None,
+    session: SessionOptions,
     served_model_name: str | None,
     max_tokens_limit: int,
     max_queue: int,
-    opts: Any,
+    opts: DecodeOptions,
     api_key: str | None,
     log_level: str,
 ) -> None:
     import uvicorn
 
+    from runtime import DecodeOptions
+
     from ..server.app import DFlashServer, ServeConfig
     from ..server.protocol import Limits
 
-    pipe = load(model, target, drafter, device, dtype, offline, revision, quantize, threads)
+    pipe = open_pipeline(session)
     warn_block_size(pipe, opts.block_size)
     if pipe.drafter is None and opts.decoder == "dflash":
-        opts = type(opts)(decoder="ar")  # no drafter: plain decoding is all there is
-    names = _served_names(model, target, pipe, served_model_name)
+        opts = DecodeOptions(decoder="ar")  # no drafter: plain decoding is all there is
+    names = _served_names(session.model, session.target, pipe, served_model_name)
     config = ServeConfig(
         model_names=names,
         limits=Limits(max_tokens=max_tokens_limit),

@@ -6,7 +6,7 @@ import json
 import shlex
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -18,11 +18,15 @@ from ..common import (
     OfflineOpt,
     TargetOpt,
     ThreadsOpt,
-    calibrate,
-    load,
+    open_pipeline,
     parse_ids,
+    session_options,
 )
 from ..errors import handle_errors
+
+if TYPE_CHECKING:
+    from runtime import Pipeline
+    from runtime.session import SessionOptions
 
 
 def _duration(text: str | None) -> float | None:
@@ -150,7 +154,8 @@ def train(
         )
     out.mkdir(parents=True, exist_ok=True)
     data_dir = data or out / "data"
-    pipe = load(model, target, "none", device, dtype, offline, threads=threads)
+    session = session_options(model, target, "none", device, dtype, offline, threads=threads)
+    pipe = open_pipeline(session)
     if pipe.tokenizer is None:
         raise typer.BadParameter("the target has no tokenizer; dflash train needs one to build prompts")
     _record_command(out, sys.argv)  # only invocations that got as far as building data or training
@@ -207,7 +212,7 @@ def train(
     )
     evaluation = None
     if not no_eval and eval_prompts > 0:
-        evaluation = _evaluate(pipe, out, eval_prompts, eval_tokens, say, data_dir, ood_eval)
+        evaluation = _evaluate(pipe, session, out, eval_prompts, eval_tokens, say, data_dir, ood_eval)
     card = model_card(pipe, trainer, evaluation, sys.argv, data_dir=data_dir)
     path = export(out, evaluation, card)
     say(f"drafter saved to {path}")
@@ -246,7 +251,8 @@ def _eval_only(
     if not ((ckpt / STATE_JSON).exists() or (ckpt / LEGACY_PICKLE).exists()):
         raise ConfigError(f"{ckpt} has no checkpoint to evaluate; train first")
     blob = load_trainer_state(ckpt)  # never unpickles
-    pipe = load(model, target, "none", device, dtype, offline, threads=threads)
+    session = session_options(model, target, "none", device, dtype, offline, threads=threads)
+    pipe = open_pipeline(session)
     say = _printer()
     raw = json.loads((out / "checkpoint" / "config.json").read_text())
     recorded = raw.get("dflash_training") or {}
@@ -256,9 +262,10 @@ def _eval_only(
 
         taps = raw.get("dflash_config", {}).get("target_layer_ids") or raw.get("target_layer_ids")
         prepare_eval_data(pipe.target, pipe.tokenizer, out / "eval-data" / "ood", taps, pipe.stop_token_ids)
-    evaluation = _evaluate(pipe, out, eval_prompts, eval_tokens, say, Path(data_dir) if data_dir else None, ood_eval)
+    evaluation = _evaluate(pipe, session, out, eval_prompts, eval_tokens, say, Path(data_dir) if data_dir else None, ood_eval)
     cfg = dict(blob["config"])
     cfg["betas"] = tuple(cfg["betas"])
+    assert pipe.drafter is not None  # _evaluate loaded the checkpoint
     run = _RunRecord(pipe.drafter, TrainState(**blob["state"]), TrainConfig(**cfg), out)
     card = model_card(pipe, run, evaluation, sys.argv, data_dir=data_dir)
     path = export(out, evaluation, card)
@@ -439,7 +446,8 @@ def _teacher_forced(pipe: Any, out: Path, sets: dict[str, Path]) -> dict[str, An
 
 
 def _evaluate(
-    pipe: Any,
+    pipe: Pipeline,
+    session: SessionOptions,
     out: Path,
     n: int,
     tokens: int,
@@ -452,12 +460,14 @@ def _evaluate(
     import torch
 
     from runtime.engine.drafter import load_draft_model
+    from runtime.session import calibrate
     from runtime.train.evaluate import EvalResult, evaluate
     from runtime.train.heldout import ood_prompts
 
     pipe.drafter = load_draft_model(out / "checkpoint", pipe.device, pipe.dtype)
     pipe.target.set_taps(pipe.drafter.dflash.target_layer_ids)
-    calibrate(pipe, say=say)  # the verify length is chosen from this machine's measured costs, as in `dflash run`
+    if session.calibration_file is not None:  # the verify length comes from this machine's costs, as in `dflash run`
+        calibrate(pipe, session.calibration_file, say)
     what, in_dist = _in_distribution_prompts(data_dir, n)
     sets = {"in_distribution": (what, in_dist)}
     if ood:

@@ -30,7 +30,7 @@ from starlette.routing import Route
 
 from runtime import CancelToken, DecodeOptions, DFlashError, InputError, OutOfMemoryError
 from runtime.backend import Backend
-from runtime.engine.events import DecodeEvent, Finished, GenerationStats, PrefillDone
+from runtime.engine.events import DecodeEvent, Finished, GenerationStats, PrefillDone, event_to_json
 
 from . import protocol as P
 from .metrics import CONTENT_TYPE, ServerMetrics
@@ -147,8 +147,9 @@ class DFlashServer:
         for key in ("target", "drafter"):  # names only: a local folder is shown by its name, never its path
             if isinstance(details.get(key), str):
                 details[key] = _public_name(details[key])
-        details["chat_template"] = bool(getattr(self.backend, "is_chat_model", True))
-        details["tokenizer"] = getattr(self.backend, "tokenizer", True) is not None  # False: token ids, no text
+        caps = self.backend.capabilities
+        details["chat_template"] = caps.chat_template
+        details["tokenizer"] = caps.tokenizer  # False: token ids, no text
         return {"id": name, "object": "model", "created": self.created, "owned_by": "dflash", "dflash": details}
 
     async def models(self, request: Request) -> Response:
@@ -215,12 +216,9 @@ class DFlashServer:
             if req.kind == "chat":
                 return backend.stream_messages(list(req.messages), req.params, req.opts, cancel)
             if req.prompt_ids is not None:
-                stream_ids = getattr(backend, "stream", None)
-                if stream_ids is None:
-                    raise InputError("this server does not take token-id prompts; send text")
-                return stream_ids(list(req.prompt_ids), req.params, req.opts, cancel)
+                return backend.stream_ids(list(req.prompt_ids), req.params, req.opts, cancel)
             assert req.prompt is not None
-            return backend.stream_prompt(req.prompt, req.params, req.opts, cancel, chat=False)
+            return backend.stream(req.prompt, req.params, req.opts, cancel, chat=False)
 
         return start
 
@@ -310,11 +308,11 @@ class DFlashServer:
             while event is not None:
                 if isinstance(event, Finished):
                     stats = event.stats
-                    ext = {**P.event_ext(event), "queue": job.timing()}
+                    ext = {**event_to_json(event), "queue": job.timing()}
                     yield line(P.chunk(req, rid, created, None, P.FINISH.get(event.reason, "stop"), ext))
                 else:
                     role = isinstance(event, PrefillDone)
-                    yield line(P.chunk(req, rid, created, event.text, None, P.event_ext(event), role=role))
+                    yield line(P.chunk(req, rid, created, event.text, None, event_to_json(event), role=role))
                 try:
                     event = await events.__anext__()
                 except StopAsyncIteration:

@@ -22,13 +22,17 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from runtime.config import DecodeOptions, SamplingParams
+from runtime.engine.acceptance import AcceptanceCounter, AcceptanceCounts
 from runtime.engine.events import BlockVerified, Finished, PrefillDone
 from runtime.errors import IncompatibleDraftError
+
+if TYPE_CHECKING:
+    from runtime.pipeline import LoadOptions, Pipeline
 
 
 def sync(device: torch.device) -> None:
@@ -100,14 +104,10 @@ class PromptRun:
         tokens: generated ids (the stop token included when one ended the run).
         seconds: wall time from start to the last token, device-synchronised.
         ttft_seconds: time to the first generated token.
-        steps: target verify forwards after the first token (our decoders), or decoding steps of
-            ``generate`` (one per streamer update).
-        committed_in_steps: tokens committed by those steps.
-        drafted: drafts proposed to the target (None when the method does not tell).
-        accepted: drafts the target accepted (None when unknown).
-        position_tried, position_ok: per draft slot, steps that verified it and steps in which
-            it and every earlier draft were accepted (DFlash only).
-        histogram: entry i counts steps that accepted exactly i drafts (DFlash only).
+        acceptance: raw counts of the steps: target verify forwards after the first token (our
+            decoders), or decoding steps of ``generate`` (one per streamer update) with the tokens
+            they committed; drafts, per-slot counts and the histogram for DFlash.
+        drafts_known: the method reports its drafts (DFlash); else ``drafted``/``accepted`` are None.
         verify_length: drafts verified per step, as the runtime chose it (DFlash only).
         peak_memory: bytes (see ``PeakMemory``).
         generated: tokens generated when their ids are unknown (a server that streams text
@@ -117,16 +117,26 @@ class PromptRun:
     tokens: tuple[int, ...]
     seconds: float
     ttft_seconds: float
-    steps: int
-    committed_in_steps: int
-    drafted: int | None = None
-    accepted: int | None = None
-    position_tried: tuple[int, ...] = ()
-    position_ok: tuple[int, ...] = ()
-    histogram: tuple[int, ...] = ()
+    acceptance: AcceptanceCounts = AcceptanceCounts()
+    drafts_known: bool = False
     verify_length: int | None = None
     peak_memory: int | None = None
     generated: int | None = None
+
+    @property
+    def steps(self) -> int:
+        """Verify (or ``generate``) steps after the first token."""
+        return self.acceptance.steps
+
+    @property
+    def drafted(self) -> int | None:
+        """Drafts proposed to the target (None when the method does not tell)."""
+        return self.acceptance.drafted if self.drafts_known else None
+
+    @property
+    def accepted(self) -> int | None:
+        """Drafts the target accepted (None when unknown)."""
+        return self.acceptance.accepted if self.drafts_known else None
 
     @property
     def new_tokens(self) -> int:
@@ -146,7 +156,7 @@ class PromptRun:
 
 
 def run_decoder(
-    pipe: Any, opts: DecodeOptions, prompt: Sequence[int], params: SamplingParams, mem: PeakMemory
+    pipe: Pipeline, opts: DecodeOptions, prompt: Sequence[int], params: SamplingParams, mem: PeakMemory
 ) -> PromptRun:
     """Time our own decoder (``ar`` or ``dflash``) on one prompt."""
     if opts.decoder == "ar":
@@ -163,7 +173,7 @@ def run_decoder(
         events.append(ev)
     sync(pipe.device)
     seconds = time.perf_counter() - t0
-    return count_events(events, seconds, ttft, getattr(decoder, "block_size", 1), mem.peak())
+    return count_events(events, seconds, ttft, decoder.block_size, mem.peak())
 
 
 def count_events(events: Sequence[Any], seconds: float, ttft: float, block: int, peak: int | None) -> PromptRun:
@@ -176,8 +186,7 @@ def count_events(events: Sequence[Any], seconds: float, ttft: float, block: int,
         peak: peak memory in bytes (None: unknown).
     """
     tokens: list[int] = []
-    steps = committed = drafted = accepted = 0
-    tried, ok, hist = [0] * max(block - 1, 0), [0] * max(block - 1, 0), [0] * block
+    counter = AcceptanceCounter(slots=max(block - 1, 0))
     verify_length = None
     for ev in events:
         if isinstance(ev, Finished):
@@ -185,28 +194,15 @@ def count_events(events: Sequence[Any], seconds: float, ttft: float, block: int,
             continue
         tokens.extend(t.token_id for t in ev.tokens)
         if isinstance(ev, BlockVerified):
-            k, a = len(ev.draft), ev.accepted
-            steps += 1
-            committed += a + 1
-            drafted += k
-            accepted += a
-            for j in range(min(k, len(tried))):
-                tried[j] += 1
-                ok[j] += int(j < a)
-            if a < len(hist):
-                hist[a] += 1
+            counter.record(len(ev.draft), ev.accepted)
     is_dflash = block > 1
+    counts = counter.counts()
     return PromptRun(
         tokens=tuple(tokens),
         seconds=seconds,
         ttft_seconds=ttft,
-        steps=steps,
-        committed_in_steps=committed,
-        drafted=drafted if is_dflash else None,
-        accepted=accepted if is_dflash else None,
-        position_tried=tuple(tried),
-        position_ok=tuple(ok),
-        histogram=tuple(hist) if is_dflash else (),
+        acceptance=counts if is_dflash else AcceptanceCounts(steps=counts.steps, committed=counts.committed),
+        drafts_known=is_dflash,
         verify_length=verify_length if is_dflash else None,
         peak_memory=peak,
     )
@@ -258,7 +254,7 @@ def neutral_generation_config(models: Sequence[Any], eos: Sequence[int] | None) 
 
 
 def run_generate(
-    pipe: Any,
+    pipe: Pipeline,
     method: str,
     prompt: Sequence[int],
     params: SamplingParams,
@@ -271,7 +267,7 @@ def run_generate(
     """Time transformers' ``generate`` on one prompt: plain (``hf``), prompt lookup (``pld``)
     or assisted generation with a draft model (``assisted``)."""
     pipe.target.set_taps(())  # DFlash feature hooks stay off the target for transformers' loops
-    model = pipe.target.model
+    model: Any = pipe.target.model  # a transformers model: generate()
     kw: dict[str, Any] = {"max_new_tokens": params.max_new_tokens, "num_beams": 1}
     if params.greedy:
         kw["do_sample"] = False
@@ -306,8 +302,7 @@ def run_generate(
         tokens=tokens,
         seconds=seconds,
         ttft_seconds=clock.first if clock.first is not None else seconds,
-        steps=steps,
-        committed_in_steps=len(tokens),
+        acceptance=AcceptanceCounts(steps=steps, committed=len(tokens)),
         peak_memory=peak,
     )
 
@@ -332,7 +327,7 @@ class Assistant:
     same_vocab_size: bool
 
 
-def load_assistant(ref: str, pipe: Any, opts: Any) -> Assistant:
+def load_assistant(ref: str, pipe: Pipeline, opts: LoadOptions) -> Assistant:
     """Resolve, check and load an assistant model for ``assisted`` runs.
 
     The tokenizers are compared before any weight is loaded: assisted generation as benchmarked

@@ -18,7 +18,7 @@ import platform
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from runtime.bench.datasets import Prompt, PromptMode, PromptSet
 from runtime.bench.methods import PromptRun, count_events
@@ -34,6 +34,9 @@ from runtime.bench.runner import (
 from runtime.config import DecodeOptions, SamplingParams
 from runtime.engine.events import Finished, PrefillDone
 from runtime.errors import ConfigError, InputError
+
+if TYPE_CHECKING:
+    from runtime.client.remote import RemoteBackend
 
 LOCAL_ONLY = ("hf", "pld", "assisted")  # transformers' generate on local weights
 
@@ -77,7 +80,7 @@ def remote_specs(config: BenchConfig, flavour: str) -> list[MethodSpec]:
 
 
 def run_remote(
-    backend: Any, prompt: Prompt, mode: PromptMode | None, params: SamplingParams, opts: DecodeOptions | None
+    backend: RemoteBackend, prompt: Prompt, mode: PromptMode | None, params: SamplingParams, opts: DecodeOptions | None
 ) -> RemoteRun:
     """Time one prompt through the server.
 
@@ -94,7 +97,7 @@ def run_remote(
     else:
         if not prompt.text.strip():
             raise InputError(f"prompt {prompt.id} is empty")
-        stream = backend.stream_prompt(prompt.text, params, opts, chat=False)
+        stream = backend.stream(prompt.text, params, opts, chat=False)
     events: list[Any] = []
     ttft = 0.0
     for ev in stream:
@@ -106,31 +109,24 @@ def run_remote(
     assert isinstance(done, Finished)
     stats = done.stats
     texts = {t.token_id: t.text for ev in events[:-1] for t in ev.tokens if t.token_id >= 0}
-    if backend.per_token_status:  # dflash serve: the runtime's own events, token ids and drafts
+    if backend.capabilities.per_token_origin:  # dflash serve: the runtime's own events, token ids and drafts
         block = stats.block_size if stats.decoder == "dflash" else 1
         return RemoteRun(count_events(events, seconds, ttft, block, None), stats.prompt_tokens, texts)
     # Text chunks only: counts from the server's final statistics (none when it exposes none).
-    steps = stats.verify_steps
-    spec = steps > 0
-    per_pos = stats.per_position_acceptance
+    spec = stats.verify_steps > 0
     run = PromptRun(
         tokens=(),
         seconds=seconds,
         ttft_seconds=ttft,
-        steps=steps,
-        committed_in_steps=stats.accepted_tokens + steps,
-        drafted=stats.drafted_tokens if spec else None,
-        accepted=stats.accepted_tokens if spec else None,
-        position_tried=tuple(steps for _ in per_pos),
-        position_ok=tuple(round(p * steps) for p in per_pos),
-        histogram=tuple(stats.acceptance_histogram),
+        acceptance=stats.acceptance,
+        drafts_known=spec,
         verify_length=stats.verify_length if spec else None,
         generated=stats.generated_tokens,
     )
     return RemoteRun(run, stats.prompt_tokens, texts)
 
 
-def remote_environment(backend: Any) -> dict[str, Any]:
+def remote_environment(backend: RemoteBackend) -> dict[str, Any]:
     """What a remote run records: the server (URL, engine, served model) and what it says about its models.
 
     The keys of a local run's environment are kept (``runtime.bench.env``); what only the server
@@ -175,7 +171,7 @@ def remote_environment(backend: Any) -> dict[str, Any]:
 
 
 def run_bench_remote(
-    backend: Any, prompts: PromptSet, config: BenchConfig, progress: Progress | None = None
+    backend: RemoteBackend, prompts: PromptSet, config: BenchConfig, progress: Progress | None = None
 ) -> BenchResult:
     """Run the bench protocol through a server and summarise (``runtime.bench.runner.run_bench``'s contract).
 

@@ -27,14 +27,18 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from runtime.bench.datasets import Prompt, PromptMode, PromptSet
 from runtime.bench.env import environment
 from runtime.bench.methods import Assistant, PeakMemory, PromptRun, load_assistant, run_decoder, run_generate
 from runtime.bench.pitfalls import BenchWarning, drafter_dtype, drafter_training, drafter_training_length, find_pitfalls
 from runtime.config import DecodeOptions, SamplingParams
+from runtime.engine.acceptance import AcceptanceCounts
 from runtime.errors import ConfigError, InputError
+
+if TYPE_CHECKING:
+    from runtime.pipeline import Pipeline
 
 __all__ = [
     "Assistant",
@@ -329,7 +333,7 @@ class BenchResult:
 
 
 # -- prompts ---------------------------------------------------------------------------------
-def encode_prompt(pipe: Any, prompt: Prompt, mode: PromptMode | None = None, thinking: bool = False) -> list[int]:
+def encode_prompt(pipe: Pipeline, prompt: Prompt, mode: PromptMode | None = None, thinking: bool = False) -> list[int]:
     """Token ids of a bench prompt.
 
     Chat prompts go through the target's chat template (thinking mode as asked), or are used as
@@ -353,7 +357,7 @@ def encode_prompt(pipe: Any, prompt: Prompt, mode: PromptMode | None = None, thi
     return list(tok.encode(prompt.text, add_special_tokens=True))
 
 
-def template_has_thinking(pipe: Any) -> bool:
+def template_has_thinking(pipe: Pipeline) -> bool:
     """True when the target's chat template has a thinking switch (``enable_thinking``)."""
     tmpl = getattr(pipe.tokenizer, "chat_template", None) if pipe.tokenizer is not None else None
     return isinstance(tmpl, str) and "enable_thinking" in tmpl
@@ -403,16 +407,8 @@ def summarise(
         )
     elif spec.method == "ar":
         speedup = 1.0
-    steps = sum(r.steps for r in runs)
-    tau = sum(r.committed_in_steps for r in runs) / steps if steps else None
-    drafted = [r.drafted for r in runs if r.drafted is not None]
-    accepted = [r.accepted for r in runs if r.accepted is not None]
-    rate = sum(accepted) / sum(drafted) if drafted and sum(drafted) else (0.0 if drafted else None)
-    n_pos = max((len(r.position_tried) for r in runs), default=0)
-    tried = [sum(r.position_tried[j] for r in runs if j < len(r.position_tried)) for j in range(n_pos)]
-    ok = [sum(r.position_ok[j] for r in runs if j < len(r.position_ok)) for j in range(n_pos)]
-    n_hist = max((len(r.histogram) for r in runs), default=0)
-    hist = tuple(sum(r.histogram[j] for r in runs if j < len(r.histogram)) for j in range(n_hist))
+    counts = sum((r.acceptance for r in runs), AcceptanceCounts())
+    drafts_known = any(r.drafts_known for r in runs)
     peaks = [r.peak_memory for r in runs if r.peak_memory is not None]
     agreement, divergence = None, None
     if check and baseline is not None:
@@ -448,10 +444,10 @@ def summarise(
         ttft_median=_median([r.ttft_seconds for r in runs]),
         tpot_median=_median(tpots) if tpots else None,
         speedup=speedup,
-        tau=tau,
-        acceptance_rate=rate,
-        per_position_acceptance=tuple(o / t if t else 0.0 for o, t in zip(ok, tried, strict=True)),
-        acceptance_histogram=hist,
+        tau=counts.tau if counts.steps else None,
+        acceptance_rate=counts.acceptance_rate if drafts_known else None,
+        per_position_acceptance=counts.per_position,
+        acceptance_histogram=counts.histogram,
         peak_memory=max(peaks) if peaks else None,
         agreement=agreement,
         first_divergence=divergence,
@@ -506,7 +502,7 @@ def timed_protocol(
 
 
 def run_bench(
-    pipe: Any,
+    pipe: Pipeline,
     prompts: PromptSet,
     config: BenchConfig,
     assistant: Assistant | None = None,

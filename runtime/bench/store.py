@@ -185,7 +185,7 @@ class BenchStore:
                         (r[0],),
                     )
                 }
-                out.append(RunSummary(*r, methods=methods))
+                out.append(RunSummary(*r, methods=methods))  # type: ignore[misc]  # mypy cannot count a row
         return out
 
     def resolve_id(self, ref: str) -> int:

@@ -24,14 +24,16 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, fields
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
+from runtime.backend import Capabilities
 from runtime.config import DecodeOptions, SamplingParams
 from runtime.engine import CancelToken
+from runtime.engine.acceptance import AcceptanceCounts
 from runtime.engine.events import (
     BlockVerified,
     DecodeEvent,
@@ -41,8 +43,15 @@ from runtime.engine.events import (
     PrefillDone,
     TokenEvent,
     TokenStatus,
+    event_from_json,
 )
 from runtime.errors import ConfigError, DFlashError, InputError, ModelNotFoundError
+
+if TYPE_CHECKING:
+    # httpx (and httpx-sse, which imports it) is imported where a request is made: `import httpx`
+    # also imports its command line, i.e. click and rich (87 of its 119 ms, measured with -X
+    # importtime), and importing the runtime must load no UI package (tests/test_boundary.py).
+    import httpx
 
 FLAVOURS = ("dflash", "vllm", "sglang", "openai")
 VLLM_COUNTERS = (
@@ -89,40 +98,23 @@ class ServerInfo:
     details: dict[str, Any]
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Spec:
-    """Speculative-decoding totals a server reported for one request."""
+    """Speculative-decoding counts a server reported for one request."""
 
-    steps: int
-    drafted: int
-    accepted: int
-    histogram: tuple[int, ...] = ()
-    per_position: tuple[float, ...] = ()
+    counts: AcceptanceCounts
     draft_len: int = 0  # drafts per verify step (0: unknown)
-    tau: float | None = None
-
-
-def _per_position_from_histogram(hist: Sequence[int]) -> tuple[float, ...]:
-    """Share of steps whose first k drafts were all accepted, for k = 1..len(hist)-1."""
-    steps = sum(hist)
-    if not steps:
-        return ()
-    return tuple(sum(hist[k:]) / steps for k in range(1, len(hist)))
 
 
 def _spec_from_vllm(m: dict[str, Any]) -> _Spec | None:
     try:
-        k = int(m.get("num_spec_tokens") or 0)
-        hist = tuple(int(x) for x in m.get("acceptance_histogram") or ())
-        return _Spec(
-            steps=int(m["num_spec_steps"]),
-            drafted=int(m["num_draft_tokens"]),
-            accepted=int(m["num_accepted_draft_tokens"]),
-            histogram=hist,
-            per_position=_per_position_from_histogram(hist),
-            draft_len=k,
-            tau=float(m["mean_acceptance_length"]) if m.get("mean_acceptance_length") is not None else None,
+        counts = AcceptanceCounts.from_totals(
+            int(m["num_spec_steps"]),
+            int(m["num_draft_tokens"]),
+            int(m["num_accepted_draft_tokens"]),
+            m.get("acceptance_histogram") or (),
         )
+        return _Spec(counts, draft_len=int(m.get("num_spec_tokens") or 0))
     except (KeyError, TypeError, ValueError):
         return None
 
@@ -132,37 +124,27 @@ def _spec_from_sglang(d: dict[str, Any]) -> _Spec | None:
     if steps <= 0:
         return None
     drafted = int(d.get("spec_num_proposed_drafts") or 0)
-    hist = tuple(int(x) for x in d.get("spec_correct_drafts_histogram") or ())
-    return _Spec(
-        steps=steps,
-        drafted=drafted,
-        accepted=int(d.get("spec_num_correct_drafts") or 0),
-        histogram=hist,
-        per_position=_per_position_from_histogram(hist),
-        draft_len=drafted // steps if drafted else 0,
-        tau=float(d["spec_accept_length"]) if d.get("spec_accept_length") else None,
+    counts = AcceptanceCounts.from_totals(
+        steps, drafted, int(d.get("spec_num_correct_drafts") or 0), d.get("spec_correct_drafts_histogram") or ()
     )
+    return _Spec(counts, draft_len=drafted // steps if drafted else 0)
 
 
 def parse_prometheus(text: str, names: Sequence[str]) -> dict[str, float]:
-    """Sum the samples of the named metrics over all label sets (``name{label="x"}`` keeps the
-    ``position`` label, used by vLLM's per-position counter)."""
+    """Sum the samples of the named metrics over all label sets (``prometheus_client``'s parser;
+    the ``position`` label is kept as ``name[pos]``, used by vLLM's per-position counter).
+    Text the parser rejects ends the reading (what was read before it is kept)."""
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name_labels, _, rest = line.partition(" ")
-        name, _, labels = name_labels.partition("{")
-        if name not in names:
-            continue
-        key = name
-        if "position=" in labels:
-            pos = labels.split('position="', 1)[1].split('"', 1)[0]
-            key = f"{name}[{pos}]"
-        try:
-            out[key] = out.get(key, 0.0) + float(rest.split()[0])
-        except (ValueError, IndexError):
-            continue
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name not in names:
+                    continue
+                pos = sample.labels.get("position")
+                key = sample.name if pos is None else f"{sample.name}[{pos}]"
+                out[key] = out.get(key, 0.0) + float(sample.value)
+    except ValueError:
+        pass
     return out
 
 
@@ -174,31 +156,15 @@ def _spec_from_counter_delta(before: dict[str, float], after: dict[str, float]) 
     per_pos = []
     i = 0
     while f"{VLLM_PER_POS}[{i}]" in d:
-        per_pos.append(d[f"{VLLM_PER_POS}[{i}]"] / steps)
+        per_pos.append(int(d[f"{VLLM_PER_POS}[{i}]"]))
         i += 1
     drafted = int(d.get(VLLM_COUNTERS[1], 0))
-    return _Spec(
-        steps=steps,
-        drafted=drafted,
-        accepted=int(d.get(VLLM_COUNTERS[2], 0)),
-        per_position=tuple(per_pos),
-        draft_len=drafted // steps,
-    )
-
-
-def _stats_from_json(d: dict[str, Any]) -> GenerationStats:
-    known = {f.name for f in fields(GenerationStats)}
-    kw = {k: v for k, v in d.items() if k in known}
-    kw["per_position_acceptance"] = tuple(kw.get("per_position_acceptance") or ())
-    kw["acceptance_histogram"] = tuple(kw.get("acceptance_histogram") or ())
-    return GenerationStats(**kw)
-
-
-def _token(d: dict[str, Any]) -> TokenEvent:
-    return TokenEvent(int(d.get("id", -1)), str(d.get("text", "")), TokenStatus(d.get("status", "target")))
+    counts = AcceptanceCounts.from_totals(steps, drafted, int(d.get(VLLM_COUNTERS[2], 0)), slot_accepted=per_pos)
+    return _Spec(counts, draft_len=drafted // steps)
 
 
 def _error_message(body: bytes) -> str:
+    """The ``message`` of an OpenAI-style error body (else the body's first 300 characters)."""
     try:
         err = json.loads(body.decode("utf-8", "replace"))
     except ValueError:
@@ -228,6 +194,7 @@ class RemoteBackend:
         self.timeout = timeout
         self._info: ServerInfo | None = None
         self._vllm_per_request = False  # vLLM sent per-request metrics once: skip /metrics scraping
+        self._http: httpx.Client | None = None
 
     # -- HTTP ------------------------------------------------------------------------------
     def _headers(self) -> dict[str, str]:
@@ -236,23 +203,46 @@ class RemoteBackend:
             h["Authorization"] = f"Bearer {self.api_key}"
         return h
 
-    def _open(self, path: str, body: dict[str, Any] | None = None) -> Any:
-        data = None
-        headers = self._headers()
-        if body is not None:
-            data = json.dumps(body).encode()
-            headers["Content-Type"] = "application/json"
-        req = urllib.request.Request(self.url + path, data=data, headers=headers, method="POST" if data else "GET")
+    @property
+    def _client(self) -> httpx.Client:
+        import httpx
+
+        # One connection pool per backend (httpx clients are thread-safe); proxies and CA
+        # certificates from the environment apply as they did with urllib.
+        if self._http is None:
+            self._http = httpx.Client(base_url=self.url, headers=self._headers(), timeout=self.timeout)
+        return self._http
+
+    def close(self) -> None:
+        """Close the connection pool (a later request opens a new one)."""
+        if self._http is not None:
+            self._http.close()
+            self._http = None
+
+    def _open(self, path: str, body: dict[str, Any] | None = None) -> httpx.Response:
+        """Send a request and return the response with its body not read yet (the caller closes it).
+
+        Raises:
+            RemoteError: the server cannot be reached; the error ``_http_error`` maps a status to.
+        """
+        import httpx
+
         try:
-            return urllib.request.urlopen(req, timeout=self.timeout)
-        except urllib.error.HTTPError as e:
-            raise self._http_error(e.code, _error_message(e.read()), path) from None
-        except urllib.error.URLError as e:
+            req = self._client.build_request("POST" if body is not None else "GET", path, json=body)
+            resp = self._client.send(req, stream=True)
+        except httpx.TransportError as e:
             raise RemoteError(
-                f"cannot reach the server at {self.url}: {getattr(e, 'reason', e)}; is it running?"
+                f"cannot reach the server at {self.url}: {e or type(e).__name__}; is it running?"
             ) from None
-        except (TimeoutError, OSError) as e:
-            raise RemoteError(f"cannot reach the server at {self.url}: {e}") from None
+        if resp.status_code >= 400:
+            try:
+                message = _error_message(resp.read())
+            except httpx.TransportError:
+                message = resp.reason_phrase
+            finally:
+                resp.close()
+            raise self._http_error(resp.status_code, message, path)
+        return resp
 
     def _http_error(self, status: int, message: str, path: str) -> DFlashError:
         where = f"{self.url}{path}"
@@ -270,11 +260,17 @@ class RemoteBackend:
         return RemoteError(f"the server at {self.url} answered {status}: {message}")
 
     def _get_json(self, path: str) -> Any:
-        with self._open(path) as resp:
-            try:
-                return json.loads(resp.read())
-            except ValueError:
-                raise RemoteError(f"{self.url}{path} did not answer JSON: is it an OpenAI-compatible server?") from None
+        import httpx
+
+        resp = self._open(path)
+        try:
+            return json.loads(resp.read())
+        except httpx.TransportError as e:
+            raise RemoteError(f"the connection to {self.url} failed: {e or type(e).__name__}") from None
+        except ValueError:
+            raise RemoteError(f"{self.url}{path} did not answer JSON: is it an OpenAI-compatible server?") from None
+        finally:
+            resp.close()
 
     # -- server description ----------------------------------------------------------------
     def info(self) -> ServerInfo:
@@ -307,41 +303,64 @@ class RemoteBackend:
         return self.info().flavour
 
     @property
-    def per_token_status(self) -> bool:
-        """True when tokens carry their origin (only dflash serve sends it)."""
-        return self.flavour == "dflash"
+    def capabilities(self) -> Capabilities:
+        """Only dflash serve sends token origins; its model card says whether the pair has a
+        tokenizer and a chat template (other servers: both assumed)."""
+        info = self.info()
+        return Capabilities(
+            per_token_origin=info.flavour == "dflash",
+            tokenizer=bool(info.details.get("tokenizer", True)),
+            chat_template=bool(info.details.get("chat_template", True)),
+        )
+
+    def check_decode_options(self, opts: DecodeOptions) -> None:
+        """Refuse decode options the server cannot take per request (before any request).
+
+        Raises:
+            ConfigError: options other than the defaults on a server that is not dflash serve.
+        """
+        flavour = self.flavour
+        if flavour != "dflash" and opts != DecodeOptions():
+            raise ConfigError(
+                f"--decoder/--block-size/--verify-length are set when a {flavour} server starts, "
+                "not per request; only dflash serve takes them per request"
+            )
 
     def describe(self) -> dict[str, Any]:
         """Server, flavour and model; dflash serve adds its pipeline's description."""
         info = self.info()
         d: dict[str, Any] = {"target": self.model, "drafter": None, "block_size": None, **info.details}
         d.update({"engine": info.flavour, "server": self.url, "model": self.model})
-        d["per_token_status"] = self.per_token_status
+        d["per_token_status"] = info.flavour == "dflash"
         return d
 
     # -- Backend protocol ------------------------------------------------------------------
-    def stream_prompt(
+    def stream(
         self,
-        text: str,
+        prompt: str | Sequence[int],
         params: SamplingParams,
         opts: DecodeOptions | None = None,
         cancel: CancelToken | None = None,
+        *,
         chat: bool | None = None,
         system: str | None = None,
     ) -> Iterator[DecodeEvent]:
-        """Complete ``text``: chat endpoint unless ``chat`` is False (dflash serve: its model decides)."""
-        if not text.strip():
+        """Complete text (chat endpoint unless ``chat`` is False; dflash serve: its model decides)
+        or token ids (``stream_ids``)."""
+        if not isinstance(prompt, str):
+            return self.stream_ids(prompt, params, opts, cancel)
+        if not prompt.strip():
             raise InputError("the prompt is empty; pass text as an argument or on stdin")
         if chat is None:
-            chat = bool(self.info().details.get("chat_template", True))
+            chat = self.capabilities.chat_template
         if chat:
-            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-            return self.stream_messages(messages, params, opts, cancel)
-        return self._stream("/v1/completions", {"prompt": text, **self._body(params, opts, chat=False)}, cancel)
+            messages = [{"role": "system", "content": system}] if system else []
+            return self.stream_messages([*messages, {"role": "user", "content": prompt}], params, opts, cancel)
+        return self._stream("/v1/completions", {"prompt": prompt, **self._body(params, opts, chat=False)}, cancel)
 
     def stream_messages(
         self,
-        messages: Sequence[dict[str, str]],
+        messages: Sequence[Mapping[str, str]],
         params: SamplingParams,
         opts: DecodeOptions | None = None,
         cancel: CancelToken | None = None,
@@ -389,12 +408,8 @@ class RemoteBackend:
         if params.ignore_eos:
             body["ignore_eos"] = True
         opts = opts or DecodeOptions()
+        self.check_decode_options(opts)
         if opts != DecodeOptions():
-            if flavour != "dflash":
-                raise ConfigError(
-                    f"--decoder/--block-size/--verify-length are set when a {flavour} server starts, "
-                    "not per request; only dflash serve takes them per request"
-                )
             body["dflash"] = {
                 "decoder": opts.decoder,
                 "block_size": opts.block_size,
@@ -407,10 +422,16 @@ class RemoteBackend:
         return body
 
     def _scrape(self) -> dict[str, float] | None:
+        import httpx
+
         try:
-            with self._open("/metrics") as resp:
-                return parse_prometheus(resp.read().decode("utf-8", "replace"), (*VLLM_COUNTERS, VLLM_PER_POS))
-        except DFlashError:
+            resp = self._open("/metrics")
+            try:
+                text = resp.read().decode("utf-8", "replace")
+            finally:
+                resp.close()
+            return parse_prometheus(text, (*VLLM_COUNTERS, VLLM_PER_POS))
+        except (DFlashError, httpx.TransportError):
             return None
 
     def _stream(self, path: str, body: dict[str, Any], cancel: CancelToken | None) -> Iterator[DecodeEvent]:
@@ -420,8 +441,10 @@ class RemoteBackend:
         return self._events(resp, t0, before, cancel, chat=path.endswith("chat/completions"))
 
     def _events(
-        self, resp: Any, t0: float, before: dict[str, float] | None, cancel: CancelToken | None, chat: bool
+        self, resp: httpx.Response, t0: float, before: dict[str, float] | None, cancel: CancelToken | None, chat: bool
     ) -> Iterator[DecodeEvent]:
+        import httpx
+
         prefilled = False
         done: Finished | None = None
         finish: str | None = None
@@ -447,7 +470,7 @@ class RemoteBackend:
                     raise RemoteError(f"the server failed while generating: {_error_message(data.encode())}")
                 ext = chunk.get("dflash")
                 if isinstance(ext, dict) and ext.get("type") in ("prefill", "block", "done"):
-                    event = _event_from_ext(ext)
+                    event = event_from_json(ext)
                     if isinstance(event, Finished):
                         done = event
                     else:
@@ -483,8 +506,8 @@ class RemoteBackend:
                     details = details[0] if isinstance(details, list) and details else details
                     if isinstance(details, dict):
                         spec = _spec_from_sglang(details) or spec
-        except (TimeoutError, OSError) as e:
-            raise RemoteError(f"the connection to {self.url} failed mid-stream: {e}") from None
+        except httpx.TransportError as e:
+            raise RemoteError(f"the connection to {self.url} failed mid-stream: {e or type(e).__name__}") from None
         finally:
             resp.close()
         if not prefilled:
@@ -510,67 +533,18 @@ def _remote_stats(
     usage: dict[str, Any], generated: int, ttft: float, total: float, spec: _Spec | None
 ) -> GenerationStats:
     decode_time = max(total - ttft, 1e-9)
-    base: dict[str, Any] = dict(
+    return GenerationStats(
         prompt_tokens=int(usage.get("prompt_tokens") or 0),
         generated_tokens=generated,
         ttft_seconds=ttft,
         total_seconds=total,
         tokens_per_second=generated / max(total, 1e-9),
         decode_tokens_per_second=max(generated - 1, 0) / decode_time,
+        acceptance=spec.counts if spec is not None else AcceptanceCounts(),
+        block_size=(spec.draft_len + 1 if spec.draft_len else 0) if spec is not None else 1,
+        verify_length=spec.draft_len if spec is not None else 0,
+        decoder="dflash" if spec is not None else "remote",
     )
-    if spec is None:
-        return GenerationStats(
-            **base,
-            verify_steps=0,
-            drafted_tokens=0,
-            accepted_tokens=0,
-            tau=1.0,
-            acceptance_rate=0.0,
-            per_position_acceptance=(),
-            acceptance_histogram=(),
-            block_size=1,
-            verify_length=0,
-            decoder="remote",
-        )
-    tau = spec.tau if spec.tau is not None else (spec.accepted + spec.steps) / spec.steps
-    return GenerationStats(
-        **base,
-        verify_steps=spec.steps,
-        drafted_tokens=spec.drafted,
-        accepted_tokens=spec.accepted,
-        tau=tau,
-        acceptance_rate=spec.accepted / spec.drafted if spec.drafted else 0.0,
-        per_position_acceptance=spec.per_position,
-        acceptance_histogram=spec.histogram,
-        block_size=spec.draft_len + 1 if spec.draft_len else 0,
-        verify_length=spec.draft_len,
-        decoder="dflash",
-    )
-
-
-def _event_from_ext(ext: dict[str, Any]) -> DecodeEvent:
-    """dflash serve's extension field (``event_to_json`` plus ``draft_text``) back into an event."""
-    kind = ext["type"]
-    if kind == "prefill":
-        return PrefillDone(
-            prompt_tokens=int(ext.get("prompt_tokens", 0)),
-            seconds=float(ext.get("ttft", 0.0)),
-            tokens=tuple(_token(t) for t in ext.get("tokens", [])),
-        )
-    if kind == "block":
-        tokens = tuple(_token(t) for t in ext.get("tokens", []))
-        accepted = int(ext.get("accepted", 0))
-        draft_text = ext.get("draft_text")
-        if draft_text is None:
-            draft_text = [t.text for t in tokens[:accepted]] + list(ext.get("rejected_text", []))
-        return BlockVerified(
-            draft=tuple(int(i) for i in ext.get("draft", [])),
-            draft_text=tuple(str(s) for s in draft_text),
-            accepted=accepted,
-            tokens=tokens,
-            seconds=float(ext.get("seconds", 0.0)),
-        )
-    return Finished(reason=ext.get("reason", "stop"), stats=_stats_from_json(ext.get("stats", {})))
 
 
 def _chunk_text(chunk: dict[str, Any], chat: bool) -> str:
@@ -584,28 +558,16 @@ def _chunk_text(chunk: dict[str, Any], chat: bool) -> str:
     return str(c.get("text") or "")
 
 
-def _sse_data(resp: Any) -> Iterator[str]:
-    """The ``data`` payloads of a server-sent-event stream (multi-line data joined with newlines).
+def _sse_data(resp: httpx.Response) -> Iterator[str]:
+    """The ``data`` payloads of a server-sent-event stream (``httpx-sse``).
 
     A plain JSON body (a server that ignored ``stream: true``) is yielded whole.
     """
-    ctype = resp.headers.get("Content-Type", "") if getattr(resp, "headers", None) else ""
-    if "text/event-stream" not in ctype:
+    from httpx_sse import EventSource
+
+    if "text/event-stream" not in resp.headers.get("content-type", ""):
         yield resp.read().decode("utf-8", "replace")
         yield "[DONE]"
         return
-    buf: list[str] = []
-    for raw in resp:
-        line = raw.decode("utf-8", "replace").rstrip("\r\n")
-        if not line:
-            if buf:
-                yield "\n".join(buf)
-                buf = []
-            continue
-        if line.startswith(":"):
-            continue  # comment / keep-alive
-        field_name, _, value = line.partition(":")
-        if field_name == "data":
-            buf.append(value[1:] if value.startswith(" ") else value)
-    if buf:
-        yield "\n".join(buf)
+    for sse in EventSource(resp).iter_sse():
+        yield sse.data

@@ -10,6 +10,7 @@ from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 from runtime.config import SamplingParams
+from runtime.engine.acceptance import AcceptanceCounter
 from runtime.engine.events import DecodeEvent, GenerationStats
 
 
@@ -33,6 +34,7 @@ class Decoder(Protocol):
     """Anything that turns prompt ids into a typed event stream."""
 
     name: str
+    block_size: int  # drafts per block plus one (1 for plain decoding)
 
     def stream(
         self, prompt_ids: Sequence[int], params: SamplingParams, cancel: CancelToken | None = None
@@ -46,7 +48,7 @@ class Decoder(Protocol):
 
 
 class StatsRecorder:
-    """Accumulates per-step acceptance and timings into ``GenerationStats``."""
+    """Accumulates per-step acceptance (``AcceptanceCounter``) and timings into ``GenerationStats``."""
 
     def __init__(self, prompt_tokens: int, block_size: int, decoder: str) -> None:
         self.t0 = time.perf_counter()
@@ -55,15 +57,8 @@ class StatsRecorder:
         self.decoder = decoder
         self.ttft = 0.0
         self.generated = 0
-        self.steps = 0
-        self.drafted = 0
-        self.accepted = 0
-        self.committed_in_steps = 0
         self.verify_length = 0
-        slots = max(block_size - 1, 0)
-        self.pos_tried = [0] * slots
-        self.pos_ok = [0] * slots
-        self.hist = [0] * (slots + 1)
+        self.acceptance = AcceptanceCounter(slots=max(block_size - 1, 0))
 
     def prefill(self, seconds: float, committed: int) -> None:
         """Record time to first token and the first token(s)."""
@@ -73,18 +68,9 @@ class StatsRecorder:
     def step(self, drafted: int, accepted: int, committed: int, planned: int) -> None:
         """Record one verify step: ``drafted`` proposals, ``accepted`` of them, ``committed`` new tokens;
         ``planned`` is the verify length the policy chose (before the length limit cut it)."""
-        self.steps += 1
-        self.drafted += drafted
-        self.accepted += accepted
+        self.acceptance.record(drafted, accepted)
         self.generated += committed
-        self.committed_in_steps += accepted + 1
         self.verify_length = planned
-        for k in range(drafted):
-            if k < len(self.pos_tried):
-                self.pos_tried[k] += 1
-                self.pos_ok[k] += int(k < accepted)
-        if accepted < len(self.hist):
-            self.hist[accepted] += 1
 
     def finish(self) -> GenerationStats:
         """Freeze the totals."""
@@ -97,15 +83,7 @@ class StatsRecorder:
             total_seconds=total,
             tokens_per_second=self.generated / max(total, 1e-9),
             decode_tokens_per_second=max(self.generated - 1, 0) / decode_time,
-            verify_steps=self.steps,
-            drafted_tokens=self.drafted,
-            accepted_tokens=self.accepted,
-            tau=self.committed_in_steps / self.steps if self.steps else 1.0,
-            acceptance_rate=self.accepted / self.drafted if self.drafted else 0.0,
-            per_position_acceptance=tuple(
-                ok / tried if tried else 0.0 for ok, tried in zip(self.pos_ok, self.pos_tried, strict=True)
-            ),
-            acceptance_histogram=tuple(self.hist),
+            acceptance=self.acceptance.counts(),
             block_size=self.block_size,
             verify_length=self.verify_length,
             decoder=self.decoder,

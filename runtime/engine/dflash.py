@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 
-from runtime.config import ConfigError, SamplingParams
+from runtime.config import SamplingParams
 from runtime.engine.acceptance import accept_prefix
 from runtime.engine.decoder import CancelToken, StatsRecorder
 from runtime.engine.detok import TextAssembler, TokenizerLike
-from runtime.engine.drafter import DFlashDraftModel
+from runtime.engine.drafter import DFlashDraftModel, DraftLayer
 from runtime.engine.events import (
     BlockVerified,
     DecodeEvent,
@@ -33,7 +34,7 @@ from runtime.engine.linear import FusedLinear
 from runtime.engine.sampling import sample
 from runtime.engine.target import TargetModel
 from runtime.engine.verify_length import FixedVerifyLength, VerifyLengthPolicy
-from runtime.errors import InputError, OutOfMemoryError
+from runtime.errors import ConfigError, InputError, OutOfMemoryError
 
 
 class DraftHead:
@@ -119,7 +120,7 @@ class DFlashDecoder:
             target.set_taps(self.drafter.dflash.target_layer_ids)
             self.head = DraftHead(target, self.drafter)
             self.mask_id = self.drafter.dflash.mask_token_id
-            self._sliding = any(layer.self_attn.sliding_window for layer in self.drafter.layers)
+            self._sliding = any(cast(DraftLayer, layer).self_attn.sliding_window for layer in self.drafter.layers)
 
     def stream(
         self, prompt_ids: Sequence[int], params: SamplingParams, cancel: CancelToken | None = None

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -341,7 +341,7 @@ class DFlashDraftModel(nn.Module):
         q_pos = position_ids[0, context.shape[1] :]
         for layer in self.layers:
             layer_mask = mask
-            window = layer.self_attn.sliding_window
+            window = cast(DraftLayer, layer).self_attn.sliding_window
             if window is not None and key_positions is not None:
                 wmask = self.sliding_mask(q_pos, key_positions, window)
                 layer_mask = wmask if layer_mask is None else (layer_mask & wmask)

@@ -8,9 +8,12 @@ display only and never enter the output text.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Literal
+
+from runtime.engine.acceptance import AcceptanceCounts
 
 FinishReason = Literal["stop", "length", "cancelled"]
 
@@ -33,6 +36,11 @@ class TokenEvent:
     def to_json(self) -> dict[str, Any]:
         """JSON form used by ``dflash run --json`` and the server."""
         return {"id": self.token_id, "text": self.text, "status": self.status.value}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> TokenEvent:
+        """Inverse of ``to_json`` (a missing status reads as TARGET)."""
+        return cls(int(d.get("id", -1)), str(d.get("text", "")), TokenStatus(d.get("status", "target")))
 
 
 @dataclass(frozen=True)
@@ -97,7 +105,8 @@ class BlockVerified:
 
 @dataclass(frozen=True)
 class GenerationStats:
-    """Totals of one generation.
+    """Totals of one generation: timings and the raw acceptance counts (every acceptance
+    statistic is derived from ``acceptance``, see ``runtime.engine.acceptance``).
 
     Attributes:
         prompt_tokens: prompt length in tokens.
@@ -106,14 +115,7 @@ class GenerationStats:
         total_seconds: wall time from start to finish.
         tokens_per_second: generated tokens / total time (end to end, prefill included).
         decode_tokens_per_second: tokens after the first / time after the first token.
-        verify_steps: target verify forwards after prefill.
-        drafted_tokens: drafts proposed to the target.
-        accepted_tokens: drafts the target accepted.
-        tau: mean tokens committed per verify step, bonus included (1.0 for plain decoding).
-        acceptance_rate: accepted / drafted (0.0 when nothing was drafted).
-        per_position_acceptance: for draft slot k (index k-1), the share of steps that verified
-            slot k in which drafts 1..k were all accepted.
-        acceptance_histogram: entry i counts verify steps that accepted exactly i drafts.
+        acceptance: raw counts of the verify steps after prefill.
         block_size: drafter block size (1 for plain decoding).
         verify_length: drafts verified per step (the last value used).
         decoder: "dflash" or "ar".
@@ -125,23 +127,95 @@ class GenerationStats:
     total_seconds: float
     tokens_per_second: float
     decode_tokens_per_second: float
-    verify_steps: int
-    drafted_tokens: int
-    accepted_tokens: int
-    tau: float
-    acceptance_rate: float
-    per_position_acceptance: tuple[float, ...]
-    acceptance_histogram: tuple[int, ...]
+    acceptance: AcceptanceCounts
     block_size: int
     verify_length: int
     decoder: str
 
+    @property
+    def verify_steps(self) -> int:
+        """Target verify forwards after prefill."""
+        return self.acceptance.steps
+
+    @property
+    def drafted_tokens(self) -> int:
+        """Drafts proposed to the target."""
+        return self.acceptance.drafted
+
+    @property
+    def accepted_tokens(self) -> int:
+        """Drafts the target accepted."""
+        return self.acceptance.accepted
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per verify step, bonus included (1.0 for plain decoding)."""
+        return self.acceptance.tau
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / drafted (0.0 when nothing was drafted)."""
+        return self.acceptance.acceptance_rate
+
+    @property
+    def per_position_acceptance(self) -> tuple[float, ...]:
+        """For draft slot k (index k-1), the share of steps that verified slot k in which
+        drafts 1..k were all accepted."""
+        return self.acceptance.per_position
+
+    @property
+    def acceptance_histogram(self) -> tuple[int, ...]:
+        """Entry i counts verify steps that accepted exactly i drafts."""
+        return self.acceptance.histogram
+
     def to_json(self) -> dict[str, Any]:
-        """Plain-JSON form (lists instead of tuples)."""
-        d = asdict(self)
-        d["per_position_acceptance"] = list(self.per_position_acceptance)
-        d["acceptance_histogram"] = list(self.acceptance_histogram)
-        return d
+        """Plain-JSON form: the fields, the raw counts under ``acceptance`` and the derived
+        statistics (``tau``, ``acceptance_rate``, ...) for readers that do not derive them."""
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "ttft_seconds": self.ttft_seconds,
+            "total_seconds": self.total_seconds,
+            "tokens_per_second": self.tokens_per_second,
+            "decode_tokens_per_second": self.decode_tokens_per_second,
+            "verify_steps": self.verify_steps,
+            "drafted_tokens": self.drafted_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "tau": self.tau,
+            "acceptance_rate": self.acceptance_rate,
+            "per_position_acceptance": list(self.per_position_acceptance),
+            "acceptance_histogram": list(self.acceptance_histogram),
+            "block_size": self.block_size,
+            "verify_length": self.verify_length,
+            "decoder": self.decoder,
+            "acceptance": self.acceptance.to_json(),
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> GenerationStats:
+        """Inverse of ``to_json``. Without ``acceptance`` (an older server), the counts are
+        rebuilt from the totals and the histogram."""
+        if isinstance(d.get("acceptance"), Mapping):
+            counts = AcceptanceCounts.from_json(d["acceptance"])
+        else:
+            counts = AcceptanceCounts.from_totals(
+                int(d.get("verify_steps") or 0),
+                int(d.get("drafted_tokens") or 0),
+                int(d.get("accepted_tokens") or 0),
+                d.get("acceptance_histogram") or (),
+            )
+        return cls(
+            prompt_tokens=int(d.get("prompt_tokens") or 0),
+            generated_tokens=int(d.get("generated_tokens") or 0),
+            ttft_seconds=float(d.get("ttft_seconds") or 0.0),
+            total_seconds=float(d.get("total_seconds") or 0.0),
+            tokens_per_second=float(d.get("tokens_per_second") or 0.0),
+            decode_tokens_per_second=float(d.get("decode_tokens_per_second") or 0.0),
+            acceptance=counts,
+            block_size=int(d.get("block_size") or 1),
+            verify_length=int(d.get("verify_length") or 0),
+            decoder=str(d.get("decoder") or "dflash"),
+        )
 
 
 @dataclass(frozen=True)
@@ -164,11 +238,12 @@ DecodeEvent = PrefillDone | BlockVerified | Finished
 
 
 def event_to_json(event: DecodeEvent) -> dict[str, Any]:
-    """Serialise an event to the NDJSON contract of ``dflash run --json``.
+    """Serialise an event: the one JSON form of ``dflash run --json``, of the ``dflash`` field of
+    the server's chunks and of what the remote client reads back (``event_from_json``).
 
     Lines have ``"type"`` in {"prefill", "block", "done"}; prefill and block carry ``"tokens"``
-    as ``{"id", "text", "status"}``; block also carries ``"draft"`` and ``"accepted"``; done
-    carries ``"reason"`` and ``"stats"``.
+    as ``{"id", "text", "status"}``; block also carries ``"draft"``, ``"draft_text"``,
+    ``"accepted"`` and ``"rejected_text"``; done carries ``"reason"`` and ``"stats"``.
     """
     if isinstance(event, PrefillDone):
         return {
@@ -181,9 +256,44 @@ def event_to_json(event: DecodeEvent) -> dict[str, Any]:
         return {
             "type": "block",
             "draft": list(event.draft),
+            "draft_text": list(event.draft_text),
             "accepted": event.accepted,
             "tokens": [t.to_json() for t in event.tokens],
             "rejected_text": list(event.rejected_text),
             "seconds": event.seconds,
         }
     return {"type": "done", "reason": event.reason, "stats": event.stats.to_json()}
+
+
+def event_from_json(d: Mapping[str, Any]) -> DecodeEvent:
+    """Inverse of ``event_to_json``.
+
+    Raises:
+        KeyError, ValueError, TypeError: not an event (unknown ``type``, bad token status).
+    """
+    kind = d["type"]
+    if kind == "prefill":
+        return PrefillDone(
+            prompt_tokens=int(d.get("prompt_tokens", 0)),
+            seconds=float(d.get("ttft", 0.0)),
+            tokens=tuple(TokenEvent.from_json(t) for t in d.get("tokens", [])),
+        )
+    if kind == "block":
+        tokens = tuple(TokenEvent.from_json(t) for t in d.get("tokens", []))
+        accepted = int(d.get("accepted", 0))
+        draft_text = d.get("draft_text")
+        if draft_text is None:  # an older server: accepted drafts are the first tokens
+            draft_text = [t.text for t in tokens[:accepted]] + list(d.get("rejected_text", []))
+        return BlockVerified(
+            draft=tuple(int(i) for i in d.get("draft", [])),
+            draft_text=tuple(str(s) for s in draft_text),
+            accepted=accepted,
+            tokens=tokens,
+            seconds=float(d.get("seconds", 0.0)),
+        )
+    if kind == "done":
+        reason = d.get("reason", "stop")
+        if reason not in ("stop", "length", "cancelled"):
+            raise ValueError(f"unknown finish reason {reason!r}")
+        return Finished(reason=reason, stats=GenerationStats.from_json(d.get("stats") or {}))
+    raise ValueError(f"unknown event type {kind!r}")

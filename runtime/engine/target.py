@@ -70,15 +70,16 @@ class TargetModel:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model.eval()
-        self.config = model.config
+        hf: Any = model  # a transformers PreTrainedModel (typed as nn.Module: torch has no stubs for it)
+        self.config: Any = hf.config
         self.layers = find_decoder_layers(model)
-        embed = model.get_input_embeddings()
-        head = model.get_output_embeddings()
+        embed = hf.get_input_embeddings()
+        head = hf.get_output_embeddings()
         arch = (getattr(self.config, "architectures", None) or [type(model).__name__])[0]
         if embed is None or head is None:
             raise UnsupportedModelError(f"{arch} exposes no input embedding or output head; DFlash needs both")
-        self.embed: nn.Module = embed
-        self.lm_head: nn.Module = head
+        self.embed: nn.Embedding = embed  # typed by what DFlash uses: .weight [V, D]
+        self.lm_head: nn.Linear = head
         self._taps: tuple[int, ...] = ()
         self._captured: dict[int, torch.Tensor] = {}
         self._hooks: list[Any] = []

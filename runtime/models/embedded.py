@@ -14,6 +14,7 @@ import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from runtime.errors import EmbeddedModelMissingError, ModelLoadError
 
@@ -129,7 +130,7 @@ def install_embedded_target(models_dir: Path, progress: Progress | None = None, 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(work), gguf_file=gguf.name)
-    loaded = AutoModelForCausalLM.from_pretrained(str(work), gguf_file=gguf.name, dtype=torch.bfloat16)
+    loaded: Any = AutoModelForCausalLM.from_pretrained(str(work), gguf_file=gguf.name, dtype=torch.bfloat16)
     cfg = loaded.config.to_dict()
     cfg.pop("quantization_config", None)
     clean_cfg = type(loaded.config).from_dict(cfg)

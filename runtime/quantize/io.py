@@ -236,7 +236,7 @@ def save_quantized_target(
 
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     qc = TorchAoConfig(Int8WeightOnlyConfig(set_inductor_config=False))
-    model.hf_quantizer = AutoHfQuantizer.from_config(qc, pre_quantized=False)  # type: ignore[assignment]
+    model.hf_quantizer = AutoHfQuantizer.from_config(qc, pre_quantized=False)
     model.config.quantization_config = qc  # type: ignore[union-attr]
     try:
         out.mkdir(parents=True, exist_ok=True)

@@ -17,13 +17,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from runtime.config import DecodeOptions, SamplingParams
+from runtime.engine.acceptance import AcceptanceCounts
 from runtime.engine.events import Finished, GenerationStats
 from runtime.errors import ConfigError
+
+if TYPE_CHECKING:
+    from runtime.pipeline import Pipeline
 
 REPORT_PROMPTS = (
     "Write a Python function that checks whether a number is prime.",
@@ -34,7 +38,7 @@ REPORT_PROMPTS = (
 )
 
 
-def report_prompts(pipe: Any, n: int) -> list[list[int]]:
+def report_prompts(pipe: Pipeline, n: int) -> list[list[int]]:
     """Token ids of ``n`` built-in coding prompts (chat template when the target has one).
 
     Targets without a tokenizer get fixed pseudo-random ids (seeded), so any pair can be measured.
@@ -74,7 +78,7 @@ class RunSet:
     acceptance_rate: float
 
 
-def _generate(pipe: Any, ids: Sequence[int], n: int, decoder: str) -> tuple[list[int], GenerationStats]:
+def _generate(pipe: Pipeline, ids: Sequence[int], n: int, decoder: str) -> tuple[list[int], GenerationStats]:
     params = SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
     tokens: list[int] = []
     stats: GenerationStats | None = None
@@ -87,7 +91,7 @@ def _generate(pipe: Any, ids: Sequence[int], n: int, decoder: str) -> tuple[list
     return tokens, stats
 
 
-def run_set(pipe: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, decoder: str) -> RunSet:
+def run_set(pipe: Pipeline, prompts: Sequence[Sequence[int]], max_new_tokens: int, decoder: str) -> RunSet:
     """Greedy runs of every prompt with ``decoder`` after one untimed warm-up."""
     _generate(pipe, prompts[0], min(4, max_new_tokens), decoder)  # warm-up: allocator, kernels, caches
     tokens: list[tuple[int, ...]] = []
@@ -98,16 +102,15 @@ def run_set(pipe: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, de
         all_stats.append(stats)
     generated = sum(s.generated_tokens for s in all_stats)
     seconds = sum(s.total_seconds for s in all_stats)
-    steps = sum(s.verify_steps for s in all_stats)
-    drafted = sum(s.drafted_tokens for s in all_stats)
+    counts = sum((s.acceptance for s in all_stats), AcceptanceCounts())
     return RunSet(
         decoder=decoder,
         tokens=tuple(tokens),
         generated_tokens=generated,
         seconds=seconds,
         tokens_per_second=generated / max(seconds, 1e-9),
-        tau=sum(s.tau * s.verify_steps for s in all_stats) / steps if steps else 1.0,
-        acceptance_rate=sum(s.accepted_tokens for s in all_stats) / drafted if drafted else 0.0,
+        tau=counts.tau,
+        acceptance_rate=counts.acceptance_rate,
     )
 
 
@@ -131,14 +134,14 @@ class PairReport:
         return None if self.dflash is None else self.dflash.tokens == self.ar.tokens
 
 
-def measure_pair(pipe: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> PairReport:
+def measure_pair(pipe: Pipeline, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> PairReport:
     """Run the prompts with DFlash (if the pair has a drafter) and with plain decoding."""
     dflash = run_set(pipe, prompts, max_new_tokens, "dflash") if pipe.drafter is not None else None
     return PairReport(dflash=dflash, ar=run_set(pipe, prompts, max_new_tokens, "ar"))
 
 
 @torch.inference_mode()
-def agreement(pipe: Any, prompts: Sequence[Sequence[int]], reference: Sequence[Sequence[int]]) -> float:
+def agreement(pipe: Pipeline, prompts: Sequence[Sequence[int]], reference: Sequence[Sequence[int]]) -> float:
     """Share of ``reference`` tokens that ``pipe``'s target also picks greedily (teacher forcing)."""
     hits = total = 0
     device = pipe.target.device
@@ -212,7 +215,9 @@ class QuantReport:
         }
 
 
-def compare(base: PairReport, quant_pipe: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> QuantReport:
+def compare(
+    base: PairReport, quant_pipe: Pipeline, prompts: Sequence[Sequence[int]], max_new_tokens: int
+) -> QuantReport:
     """Measure ``quant_pipe`` on the prompts ``base`` was measured on and compare the two."""
     quant = measure_pair(quant_pipe, prompts, max_new_tokens)
     reference = base.ar.tokens  # the unquantized target's own greedy continuation

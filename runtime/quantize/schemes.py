@@ -218,7 +218,8 @@ def import_torchao() -> Any:
 
 def quantizable_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     """The ``nn.Linear`` modules a scheme quantizes: all but the output head, still in float."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if get_head is not None else None
     out: list[tuple[str, nn.Linear]] = []
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear) or module is head:

@@ -11,10 +11,14 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from runtime.config import DecodeOptions, SamplingParams
+from runtime.engine.acceptance import AcceptanceCounts
 from runtime.engine.events import Finished, GenerationStats
+
+if TYPE_CHECKING:
+    from runtime.pipeline import Pipeline
 
 Progress = Callable[[str], None]
 
@@ -69,12 +73,7 @@ class EvalResult:
         runs = [p.full for p in self.prompts if p.full]
         if not runs:
             return []
-        n = len(runs[0].per_position_acceptance)
-        steps = [r.verify_steps for r in runs]
-        total = max(sum(steps), 1)
-        return [
-            sum(r.per_position_acceptance[k] * s for r, s in zip(runs, steps, strict=True)) / total for k in range(n)
-        ]
+        return list(sum((r.acceptance for r in runs), AcceptanceCounts()).per_position)
 
     def conditional_acceptance(self) -> list[float]:
         """P(draft k accepted | drafts 1..k-1 accepted), the verify-length prior stored with a drafter."""
@@ -115,7 +114,7 @@ class EvalResult:
 
 
 def _run(
-    pipeline: Any, ids: list[int], params: SamplingParams, opts: DecodeOptions
+    pipeline: Pipeline, ids: list[int], params: SamplingParams, opts: DecodeOptions
 ) -> tuple[list[int], GenerationStats]:
     out: list[int] = []
     stats = None
@@ -148,7 +147,7 @@ class IdPrompt:
 
 
 def evaluate(
-    pipeline: Any,
+    pipeline: Pipeline,
     prompts: Sequence[Any],
     max_new_tokens: int = 96,
     full_block: bool = True,

@@ -75,7 +75,7 @@ def make_drafter_config(
         "num_key_value_heads": kv,
         "num_target_layers": n_layers,
         "rms_norm_eps": float(getattr(tc, "rms_norm_eps", 1e-6)),
-        "rope_theta": float(theta),
+        "rope_theta": float(theta or 10000.0),
         "sliding_window": None,
         "tie_word_embeddings": False,
         "use_sliding_window": False,
