@@ -48,8 +48,9 @@ class Decoder(Protocol):
 class StatsRecorder:
     """Accumulates per-step acceptance and timings into ``GenerationStats``."""
 
-    def __init__(self, prompt_tokens: int, block_size: int, decoder: str) -> None:
+    def __init__(self, prompt_tokens: int, block_size: int, decoder: str, tree_budget: int = 0) -> None:
         self.t0 = time.perf_counter()
+        self.tree_budget = tree_budget
         self.prompt_tokens = prompt_tokens
         self.block_size = block_size
         self.decoder = decoder
@@ -70,16 +71,18 @@ class StatsRecorder:
         self.ttft = seconds
         self.generated += committed
 
-    def step(self, drafted: int, accepted: int, committed: int, planned: int) -> None:
+    def step(self, drafted: int, accepted: int, committed: int, planned: int, depth: int | None = None) -> None:
         """Record one verify step: ``drafted`` proposals, ``accepted`` of them, ``committed`` new tokens;
-        ``planned`` is the verify length the policy chose (before the length limit cut it)."""
+        ``planned`` is the verify length the policy chose (before the length limit cut it). For a
+        draft tree, ``drafted`` counts its nodes, ``depth`` is its deepest level (the slots it tested)
+        and ``accepted`` the accepted depth."""
         self.steps += 1
         self.drafted += drafted
         self.accepted += accepted
         self.generated += committed
         self.committed_in_steps += accepted + 1
         self.verify_length = planned
-        for k in range(drafted):
+        for k in range(drafted if depth is None else depth):
             if k < len(self.pos_tried):
                 self.pos_tried[k] += 1
                 self.pos_ok[k] += int(k < accepted)
@@ -109,4 +112,5 @@ class StatsRecorder:
             block_size=self.block_size,
             verify_length=self.verify_length,
             decoder=self.decoder,
+            tree_budget=self.tree_budget,
         )

@@ -49,8 +49,12 @@ class DraftHead:
 
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
         """Greedy draft ids for hidden states [K, D] -> [K] (ids in the full vocabulary)."""
-        best = torch.argmax(F.linear(hidden, self.weight, self.bias), dim=-1)
+        best = torch.argmax(self.logits(hidden), dim=-1)
         return self.ids[best] if self.ids is not None else best
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft logits [K, V_d] over the draft vocabulary (column j is full id ``ids[j]``, or j)."""
+        return F.linear(hidden, self.weight, self.bias)
 
 
 def _sync(device: torch.device) -> None:
@@ -150,7 +154,18 @@ class DFlashDecoder:
         Returns:
             [k] draft ids on the target's device.
         """
-        assert self.drafter is not None and self.head is not None and d_cache is not None and pending is not None
+        assert self.head is not None
+        return self.head.argmax(self.draft_hidden(anchor, start, pending, d_cache)[1 : 1 + k])
+
+    def draft_hidden(
+        self, anchor: int, start: int, pending: torch.Tensor | None, d_cache: DraftKVCache | None
+    ) -> torch.Tensor:
+        """The drafter's final hidden states for the block [anchor, M, ..., M] at ``start``.
+
+        Returns:
+            [b, D]; row k (k >= 1) scores the token at position start + k (``DraftHead``).
+        """
+        assert self.drafter is not None and d_cache is not None and pending is not None
         b, device = self.block_size, self.target.device
         block_ids = torch.full((1, b), self.mask_id, dtype=torch.long, device=device)  # [1, b]
         block_ids[0, 0] = anchor
@@ -159,7 +174,7 @@ class DFlashDecoder:
         key_pos = torch.arange(0, start + b, device=device) if self._sliding else None
         hidden = self.drafter(self.target.embed(block_ids), ctx, positions, cache=d_cache, key_positions=key_pos)
         d_cache.crop(start)  # keep context entries only; the block never stays cached
-        return self.head.argmax(hidden[0, 1 : 1 + k])
+        return hidden[0]
 
     @torch.inference_mode()
     def _stream(self, prompt: list[int], params: SamplingParams, cancel: CancelToken | None) -> Iterator[DecodeEvent]:
