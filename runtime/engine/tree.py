@@ -47,9 +47,7 @@ class DraftTree:
         return max(self.depths)
 
 
-def build_tree(
-    logprobs: torch.Tensor, anchor: int, budget: int, vocab_ids: torch.Tensor | None = None
-) -> DraftTree:
+def build_tree(logprobs: torch.Tensor, anchor: int, budget: int, vocab_ids: torch.Tensor | None = None) -> DraftTree:
     """Best-first draft tree from per-slot log-probabilities.
 
     Candidates are popped from a max-heap on the summed log-probability of their path. Popping
