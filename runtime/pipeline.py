@@ -23,6 +23,8 @@ from runtime.engine.device import dtype_name, resolve_device, resolve_dtype
 from runtime.engine.drafter import DFlashDraftModel, DraftModelConfig, load_draft_model
 from runtime.engine.events import DecodeEvent
 from runtime.engine.target import TargetModel
+from runtime.engine.tree_budget import DEFAULT_TREE_COST, AdaptiveTreeBudget
+from runtime.engine.tree_decoder import TreeDecoder
 from runtime.engine.verify_length import DEFAULT_COST, AdaptiveVerifyLength, FixedVerifyLength, VerifyLengthPolicy
 from runtime.errors import ConfigError, InputError, ModelLoadError, UnsupportedModelError
 from runtime.models import embedded, presets
@@ -193,6 +195,14 @@ def load_tokenizer(target_dir: Path) -> Any | None:
         raise ModelLoadError(f"cannot load the tokenizer in {target_dir}: {str(e).splitlines()[0]}") from e
 
 
+def _has_sliding_layers(config: Any) -> bool:
+    """True when some target layers use a sliding window (their caches cannot be compacted)."""
+    types = getattr(config, "layer_types", None) or ()
+    if "sliding_attention" in types:
+        return True
+    return bool(getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None))
+
+
 class Pipeline:
     """A loaded pair: encode prompts, build decoders, stream events.
 
@@ -302,6 +312,30 @@ class Pipeline:
             prior = [float(x) for x in stats] if stats else None
         return AdaptiveVerifyLength(max_k, cost, draft_cost=draft_cost, prior=prior)
 
+    def tree_policy(self, opts: DecodeOptions, block_size: int) -> int | AdaptiveTreeBudget | None:
+        """Tree verification for these options on this device: a fixed budget, an adaptive policy,
+        or None for the chain.
+
+        ``tree_budget`` None (auto) verifies trees only where their cost is known: on CUDA, or
+        when the measured costs (``runtime.engine.calibrate``) reach tree sizes, and not when a
+        block size or verify length asks for a particular chain, nor on sliding-window targets.
+        """
+        if block_size < 2 or self.drafter is None:
+            return None
+        if opts.tree_budget is not None:
+            return opts.tree_budget or None
+        if opts.block_size is not None or opts.verify_length is not None or _has_sliding_layers(self.target.config):
+            return None
+        if self.costs is not None and len(self.costs.verify) > block_size:
+            cost, draft_cost = list(self.costs.verify), self.costs.draft
+        elif self.device.type == "cuda":
+            cost, draft_cost = DEFAULT_TREE_COST["cuda"], 0.1
+        else:
+            return None
+        stats = self.drafter.config.raw.get("dflash_config", {}).get("acceptance_conditional")
+        prior = [float(x) for x in stats] if stats else None
+        return AdaptiveTreeBudget(block_size - 1, cost, draft_cost=draft_cost, prior=prior)
+
     def make_decoder(self, opts: DecodeOptions | None = None) -> Decoder:
         """Build the decoder these options ask for.
 
@@ -321,6 +355,16 @@ class Pipeline:
                 f"no drafter is loaded for {self.pair.target_name}; name one with --drafter or use --decoder ar"
             )
         block = opts.block_size or self.block_size
+        tree = self.tree_policy(opts, block)
+        if tree is not None:
+            return TreeDecoder(
+                self.target,
+                self.drafter,
+                self.tokenizer,
+                block_size=block,
+                tree_budget=tree,
+                stop_token_ids=self.stop_token_ids,
+            )
         return DFlashDecoder(
             self.target,
             self.drafter,

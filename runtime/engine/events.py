@@ -91,6 +91,16 @@ class BlockVerified:
         """True when the step verified a draft tree."""
         return bool(self.parents)
 
+    @property
+    def depth(self) -> int:
+        """Draft slots the step tested: the chain's length, or the tree's deepest level."""
+        if not self.parents:
+            return len(self.draft)
+        depths: list[int] = []
+        for p in self.parents:
+            depths.append(1 if p < 0 else depths[p] + 1)
+        return max(depths)
+
     def _branches(self) -> list[list[int]]:
         if not self.parents:
             return [list(range(self.accepted, len(self.draft)))] if self.accepted < len(self.draft) else []

@@ -31,12 +31,15 @@ class DraftTree:
         depths: depth of each node (root 0); node i sits at position ``start + depths[i]``.
         ranks: rank of each node's token among its slot's candidates (0 = the drafter's argmax;
             -1 for the root).
+        candidates: each slot's ranked candidate ids the tree was built from (for coverage
+            statistics: where the target's choice ranked); may be empty.
     """
 
     tokens: tuple[int, ...]
     parents: tuple[int, ...]
     depths: tuple[int, ...]
     ranks: tuple[int, ...]
+    candidates: tuple[tuple[int, ...], ...] = ()
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -47,33 +50,43 @@ class DraftTree:
         return max(self.depths)
 
 
-def build_tree(logprobs: torch.Tensor, anchor: int, budget: int, vocab_ids: torch.Tensor | None = None) -> DraftTree:
-    """Best-first draft tree from per-slot log-probabilities.
-
-    Candidates are popped from a max-heap on the summed log-probability of their path. Popping
-    a node pushes its next sibling (same parent, next-ranked token of the same slot) and its
-    first child (top token of the next slot); both score at most the node itself, so nodes come
-    out in non-increasing score order and the tree holds the ``budget`` best paths' nodes.
+def slot_candidates(
+    logprobs: torch.Tensor, width: int, vocab_ids: torch.Tensor | None = None
+) -> tuple[list[list[float]], list[list[int]]]:
+    """Each slot's ``width`` best candidates, best first, on the host (the one host sync of drafting).
 
     Args:
-        logprobs: [D, V_d] log-probabilities of slots 1..D (D = the deepest depth allowed).
-        anchor: the root's token id.
-        budget: drafted nodes to add (B, the root not counted); 0 gives the root alone.
+        logprobs: [D, V_d] log-probabilities of slots 1..D.
+        width: candidates kept per slot (capped by V_d).
         vocab_ids: [V_d] full-vocabulary id of each column (a reduced draft vocabulary), or None.
 
     Returns:
-        A ``DraftTree`` with ``1 + min(budget, reachable nodes)`` nodes.
+        (log-probabilities [D][w], full token ids [D][w]).
     """
-    depth_max = int(logprobs.shape[0]) if logprobs.ndim == 2 else 0
-    root = DraftTree((int(anchor),), (-1,), (0,), (-1,))
-    if budget <= 0 or depth_max == 0:
-        return root
-    k = min(budget, int(logprobs.shape[1]))
-    top = torch.topk(logprobs.float(), k, dim=-1)  # values/indices: [D, k]
-    cols = top.indices
-    ids = vocab_ids.to(cols.device)[cols] if vocab_ids is not None else cols
-    vals, toks = top.values.tolist(), ids.tolist()  # the one host sync of tree building
+    if logprobs.ndim != 2 or logprobs.shape[0] == 0 or width <= 0:
+        return [], []
+    top = torch.topk(logprobs.float(), min(width, int(logprobs.shape[1])), dim=-1)  # [D, w]
+    ids = vocab_ids.to(top.indices.device)[top.indices] if vocab_ids is not None else top.indices
+    return top.values.tolist(), ids.tolist()
+
+
+def tree_from_candidates(
+    vals: Sequence[Sequence[float]], toks: Sequence[Sequence[int]], anchor: int, budget: int
+) -> DraftTree:
+    """Best-first draft tree over per-slot candidates (see ``build_tree``).
+
+    Args:
+        vals: [D][w] log-probabilities of each slot's candidates, best first.
+        toks: [D][w] their token ids.
+        anchor: the root's token id.
+        budget: drafted nodes to add (B, the root not counted).
+    """
+    cands = tuple(tuple(int(t) for t in row) for row in toks)
+    depth_max = len(vals)
     tokens, parents, depths, ranks = [int(anchor)], [-1], [0], [-1]
+    if budget <= 0 or depth_max == 0 or not vals[0]:
+        return DraftTree(tuple(tokens), tuple(parents), tuple(depths), tuple(ranks), cands)
+    k = len(vals[0])
     scores = [0.0]
     # heap entries: (-score, tie-break counter, parent node, depth of the candidate, rank)
     heap: list[tuple[float, int, int, int, int]] = [(-vals[0][0], 0, 0, 1, 0)]
@@ -92,10 +105,34 @@ def build_tree(logprobs: torch.Tensor, anchor: int, budget: int, vocab_ids: torc
         if depth < depth_max:  # first child
             heapq.heappush(heap, (-(scores[node] + vals[depth][0]), counter, node, depth + 1, 0))
             counter += 1
-    return DraftTree(tuple(tokens), tuple(parents), tuple(depths), tuple(ranks))
+    return DraftTree(tuple(tokens), tuple(parents), tuple(depths), tuple(ranks), cands)
 
 
-def chain_tree(anchor: int, draft: Sequence[int]) -> DraftTree:
+def build_tree(
+    logprobs: torch.Tensor, anchor: int, budget: int, vocab_ids: torch.Tensor | None = None, width: int = 0
+) -> DraftTree:
+    """Best-first draft tree from per-slot log-probabilities.
+
+    Candidates are popped from a max-heap on the summed log-probability of their path. Popping
+    a node pushes its next sibling (same parent, next-ranked token of the same slot) and its
+    first child (top token of the next slot); both score at most the node itself, so nodes come
+    out in non-increasing score order and the tree holds the ``budget`` best paths' nodes.
+
+    Args:
+        logprobs: [D, V_d] log-probabilities of slots 1..D (D = the deepest depth allowed).
+        anchor: the root's token id.
+        budget: drafted nodes to add (B, the root not counted); 0 gives the root alone.
+        vocab_ids: [V_d] full-vocabulary id of each column (a reduced draft vocabulary), or None.
+        width: candidates per slot to keep in ``DraftTree.candidates`` (at least ``budget``).
+
+    Returns:
+        A ``DraftTree`` with ``1 + min(budget, reachable nodes)`` nodes.
+    """
+    vals, toks = slot_candidates(logprobs, max(budget, width), vocab_ids)
+    return tree_from_candidates(vals, toks, anchor, budget)
+
+
+def chain_tree(anchor: int, draft: Sequence[int], candidates: Sequence[Sequence[int]] = ()) -> DraftTree:
     """The chain [anchor, d_1, ..., d_k] as a tree (each node the child of the previous one)."""
     n = len(draft)
     return DraftTree(
@@ -103,7 +140,31 @@ def chain_tree(anchor: int, draft: Sequence[int]) -> DraftTree:
         (-1, *range(n)),
         tuple(range(n + 1)),
         (-1, *([0] * n)),
+        tuple(tuple(int(t) for t in row) for row in candidates),
     )
+
+
+def choice_ranks(tree: DraftTree, path: Sequence[int], choices: Sequence[int]) -> list[int]:
+    """Where the target's choice ranked among the drafter's candidates at each visited depth.
+
+    Args:
+        tree: the verified tree (with ``candidates``).
+        path: accepted node indices, root first (``walk``).
+        choices: the target's choice at every node.
+
+    Returns:
+        One entry per visited node whose next slot was drafted: the rank of the target's choice
+        (0 = the drafter's argmax), or -1 when it was not among the candidates.
+    """
+    out = []
+    for node in path:
+        d = tree.depths[node]
+        if d >= len(tree.candidates):
+            break
+        row = tree.candidates[d]
+        c = int(choices[node])
+        out.append(row.index(c) if c in row else -1)
+    return out
 
 
 def ancestor_mask(parents: Sequence[int], device: torch.device | None = None) -> torch.Tensor:

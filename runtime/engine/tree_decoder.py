@@ -32,7 +32,16 @@ from runtime.engine.events import (
 from runtime.engine.kv_cache import DraftKVCache
 from runtime.engine.sampling import sample
 from runtime.engine.target import TargetModel
-from runtime.engine.tree import DraftTree, ancestor_mask, build_tree, walk
+from runtime.engine.tree import (
+    DraftTree,
+    ancestor_mask,
+    chain_tree,
+    choice_ranks,
+    slot_candidates,
+    tree_from_candidates,
+    walk,
+)
+from runtime.engine.tree_budget import RANKS, FixedTreeBudget, TreeBudgetPolicy
 from runtime.errors import InputError
 
 
@@ -45,7 +54,8 @@ class TreeDecoder(DFlashDecoder):
         tokenizer: used for text deltas and stop strings (None: text is "").
         block_size: drafter block length (default: the drafter's own); the tree is at most
             block_size - 1 deep.
-        tree_budget: drafted nodes per verify (B >= 1); the verify forward holds B + 1 tokens.
+        tree_budget: drafted nodes per verify (B >= 1; the verify forward holds B + 1 tokens), or a
+            policy choosing B per step (``AdaptiveTreeBudget``; B = 0 then means a chain step).
         stop_token_ids: ids that end the generation.
     """
 
@@ -58,17 +68,24 @@ class TreeDecoder(DFlashDecoder):
         tokenizer: TokenizerLike | None = None,
         *,
         block_size: int | None = None,
-        tree_budget: int = 8,
+        tree_budget: int | TreeBudgetPolicy = 8,
         stop_token_ids: Sequence[int] = (),
     ) -> None:
-        if tree_budget < 1:
-            raise ConfigError(f"tree budget must be >= 1 (0 means the chain decoder), got {tree_budget}")
+        if isinstance(tree_budget, int):
+            if tree_budget < 1:
+                raise ConfigError(f"tree budget must be >= 1 (0 means the chain decoder), got {tree_budget}")
+            tree_budget = FixedTreeBudget(tree_budget)
         if drafter is None:
             raise ConfigError("tree verification needs a drafter")
         super().__init__(target, drafter, tokenizer, block_size=block_size, stop_token_ids=stop_token_ids)
         if self.block_size < 2:
             raise ConfigError("tree verification needs a block size >= 2")
-        self.tree_budget = int(tree_budget)
+        self.policy: TreeBudgetPolicy = tree_budget
+
+    @property
+    def tree_budget(self) -> int:
+        """Tree nodes of the next step (0: a chain step chosen by an adaptive policy)."""
+        return self.policy.budget()
 
     def draft_logprobs(
         self,
@@ -107,7 +124,7 @@ class TreeDecoder(DFlashDecoder):
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.stop_token_ids)
         gen = None if params.greedy else torch.Generator(device=device).manual_seed(params.seed)
         asm = TextAssembler(self.tokenizer, params.stop_strings, context_ids=prompt)
-        rec = StatsRecorder(n_prompt, self.block_size, "dflash", tree_budget=self.tree_budget)
+        rec = StatsRecorder(n_prompt, self.block_size, "dflash", tree_budget=self.policy.budget())
         max_new = params.max_new_tokens
         if limit is not None:
             max_new = min(max_new, limit - n_prompt)
@@ -160,11 +177,19 @@ class TreeDecoder(DFlashDecoder):
                 depth = min(depth, limit - start - 1)
             depth = max(depth, 0)
 
+            budget = self.policy.budget()
+            if budget == 0:  # the policy chose a chain of K argmax drafts for this step
+                depth = min(depth, self.policy.chain_length())
+
             # 2. Draft: one drafter forward, then a best-first tree of up to B nodes (one host sync).
             tree = DraftTree((anchor,), (-1,), (0,), (-1,))
             if depth > 0:
                 logprobs, vocab_ids = self.draft_logprobs(anchor, start, depth, pending, d_cache, committed)
-                tree = build_tree(logprobs, anchor, self.tree_budget, vocab_ids)
+                vals, toks = slot_candidates(logprobs, max(budget, RANKS), vocab_ids)  # [depth][w]
+                if budget > 0:
+                    tree = tree_from_candidates(vals, toks, anchor, budget)
+                else:
+                    tree = chain_tree(anchor, [row[0] for row in toks], toks)
                 pending = pending[:, :0] if pending is not None else None
 
             # 3. Verify: one target forward over the tree, ancestor-only mask, positions start + depth.
@@ -191,7 +216,9 @@ class TreeDecoder(DFlashDecoder):
                 pending = torch.cat([pending, path_feats], dim=1) if pending is not None else path_feats
             anchor = bonus
             committed.extend(new_ids)
-            rec.step(drafted=n - 1, accepted=a, committed=len(events), planned=self.tree_budget, depth=tree.max_depth)
+            self.policy.observe(choice_ranks(tree, path, choices))
+            rec.tree_budget = budget
+            rec.step(drafted=n - 1, accepted=a, committed=len(events), planned=budget or depth, depth=tree.max_depth)
             draft = tree.tokens[1:]
             draft_text = tuple(asm.decode_one(t) for t in draft) if self.tokenizer is not None else ("",) * len(draft)
             yield BlockVerified(
