@@ -30,6 +30,7 @@ from ..common import (
     ServerOpt,
     TargetOpt,
     ThreadsOpt,
+    TreeBudgetOpt,
     VerifyOpt,
     load,
     load_options,
@@ -78,6 +79,15 @@ def _block_sizes(value: str | None) -> tuple[int, ...]:
         raise ConfigError(f"--block-size expects block sizes like 4,8,16, got {value!r}") from None
 
 
+def _tree_budgets(value: str | None) -> tuple[int | None, ...]:
+    from runtime.errors import ConfigError
+
+    try:
+        return tuple(None if p.lower() == "auto" else int(p) for p in _split(value, "--tree-budgets"))
+    except ValueError:
+        raise ConfigError(f"--tree-budgets expects budgets like 0,4,8,16,auto, got {value!r}") from None
+
+
 def _err(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
@@ -113,6 +123,15 @@ def bench(
         ),
     ] = None,
     verify_length: VerifyOpt = None,
+    tree_budget: TreeBudgetOpt = None,
+    tree_budgets: Annotated[
+        str | None,
+        typer.Option(
+            "--tree-budgets",
+            help="DFlash tree budgets to sweep, one row each, e.g. 0,4,8,16,32,auto (0 = chain, auto = the "
+            "runtime's choice).",
+        ),
+    ] = None,
     assistant: Annotated[
         str | None,
         typer.Option("--assistant", help="Draft model for transformers' assisted generation (Hub id or folder)."),
@@ -170,6 +189,8 @@ def bench(
         methods=wanted,
         block_sizes=sizes,
         verify_length=verify_length,
+        tree_budgets=_tree_budgets(tree_budgets),
+        tree_budget=tree_budget,
         max_new_tokens=max_tokens,
         temperature=temperature,
         seed=seed,
@@ -198,7 +219,9 @@ def bench(
         pipe = load(model, target, drafter, device, dtype, offline, revision, quantize, threads)
         if not method_list and pipe.drafter is None:
             _err(f"dflash: note: no drafter loaded for {pipe.pair.target_name}; skipping the dflash rows")
-            config = replace(config, methods=tuple(m for m in config.methods if m != "dflash"), block_sizes=())
+            config = replace(
+                config, methods=tuple(m for m in config.methods if m != "dflash"), block_sizes=(), tree_budgets=()
+            )
         helper = load_assistant(assistant, pipe, load_options(offline, None, None)) if assistant else None
         result = _run_with_progress(lambda progress: run_bench(pipe, prompt_set, config, helper, progress, quantize))
     doc = result.to_json(with_tokens=tokens)

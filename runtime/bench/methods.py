@@ -109,6 +109,7 @@ class PromptRun:
             it and every earlier draft were accepted (DFlash only).
         histogram: entry i counts steps that accepted exactly i drafts (DFlash only).
         verify_length: drafts verified per step, as the runtime chose it (DFlash only).
+        tree_budget: drafted nodes per tree verify, as the runtime last chose it (0: chain; DFlash only).
         peak_memory: bytes (see ``PeakMemory``).
         generated: tokens generated when their ids are unknown (a server that streams text
             only; ``tokens`` is then empty). None: ``len(tokens)``.
@@ -127,6 +128,7 @@ class PromptRun:
     verify_length: int | None = None
     peak_memory: int | None = None
     generated: int | None = None
+    tree_budget: int | None = None
 
     @property
     def new_tokens(self) -> int:
@@ -178,10 +180,11 @@ def count_events(events: Sequence[Any], seconds: float, ttft: float, block: int,
     tokens: list[int] = []
     steps = committed = drafted = accepted = 0
     tried, ok, hist = [0] * max(block - 1, 0), [0] * max(block - 1, 0), [0] * block
-    verify_length = None
+    verify_length = tree_budget = None
     for ev in events:
         if isinstance(ev, Finished):
             verify_length = ev.stats.verify_length
+            tree_budget = getattr(ev.stats, "tree_budget", 0)
             continue
         tokens.extend(t.token_id for t in ev.tokens)
         if isinstance(ev, BlockVerified):
@@ -190,7 +193,7 @@ def count_events(events: Sequence[Any], seconds: float, ttft: float, block: int,
             committed += a + 1
             drafted += k
             accepted += a
-            for j in range(min(k, len(tried))):
+            for j in range(min(ev.depth, len(tried))):  # a tree tests its depth, not its node count
                 tried[j] += 1
                 ok[j] += int(j < a)
             if a < len(hist):
@@ -209,6 +212,7 @@ def count_events(events: Sequence[Any], seconds: float, ttft: float, block: int,
         histogram=tuple(hist) if is_dflash else (),
         verify_length=verify_length if is_dflash else None,
         peak_memory=peak,
+        tree_budget=tree_budget if is_dflash else None,
     )
 
 
