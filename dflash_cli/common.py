@@ -84,6 +84,14 @@ BlockSizeOpt = Annotated[
 VerifyOpt = Annotated[
     int | None, typer.Option("--verify-length", help="Drafts verified per step (default: chosen for the device).")
 ]
+TreeBudgetOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--tree-budget",
+        help="Tree verification (DDTree): drafted nodes verified per step; 0 = the chain "
+        "(default: chosen for the device from measured costs).",
+    ),
+]
 DecoderOpt = Annotated[DecoderChoice, typer.Option("--decoder", help="dflash (speculative) or ar (plain).")]
 ServerOpt = Annotated[
     str | None,
@@ -222,17 +230,18 @@ def load(
 
 def calibrate(pipe: Pipeline, say: Callable[[str], None] | None = None) -> None:
     """Give the pipeline this machine's measured verify costs (once per model/device/dtype/threads,
-    cached in DFLASH_HOME/calibration.json) so that the runtime picks the verify length from them.
-    GPUs verify a whole block for about the cost of one token and skip this."""
+    cached in DFLASH_HOME/calibration.json) so that the runtime picks the verify length and the tree
+    budget from them (verifies up to ``TREE_VERIFY_TOKENS`` tokens are timed for trees). GPUs verify
+    a whole block or tree for about the cost of one token and skip this."""
     if pipe.drafter is None or pipe.device.type == "cuda":
         return
-    from runtime.engine.calibrate import cache_key, cached_costs
+    from runtime.engine.calibrate import TREE_VERIFY_TOKENS, cache_key, cached_costs
 
     cache_file = data_home() / "calibration.json"
     known = cache_file.exists() and cache_key(pipe) in cache_file.read_text()
     if not known:
         (say or status)("measuring the verify cost on this machine once (a few seconds)")
-    pipe.costs = cached_costs(pipe, cache_file)
+    pipe.costs = cached_costs(pipe, cache_file, max_tokens=TREE_VERIFY_TOKENS)
 
 
 def api_key_from_env() -> str | None:

@@ -36,6 +36,7 @@ from ..common import (
     ThreadsOpt,
     TopKOpt,
     TopPOpt,
+    TreeBudgetOpt,
     VerifyOpt,
     calibrate,
     load_options,
@@ -107,6 +108,7 @@ def chat(
     seed: SeedOpt = 0,
     block_size: BlockSizeOpt = None,
     verify_length: VerifyOpt = None,
+    tree_budget: TreeBudgetOpt = None,
     decoder: DecoderOpt = DecoderChoice.dflash,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = DtypeChoice.auto,
@@ -156,7 +158,9 @@ def chat(
     )
     # --drafter none means plain decoding: no drafter to draft with.
     plain = decoder == DecoderChoice.ar or (drafter or "").lower() == "none"
-    opts = DecodeOptions(decoder="ar" if plain else "dflash", block_size=block_size, verify_length=verify_length)
+    opts = DecodeOptions(
+        decoder="ar" if plain else "dflash", block_size=block_size, verify_length=verify_length, tree_budget=tree_budget
+    )
     ref = model_ref(model, target, drafter)
     runtime = runtime_config(device, dtype, threads)
     loading = load_options(offline, revision, quantize)

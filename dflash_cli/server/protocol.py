@@ -3,7 +3,7 @@ builders, OpenAI-style errors.
 
 Extensions (ignored by OpenAI clients):
   request  ``top_k``, ``ignore_eos``, ``stop_token_ids`` (as in vLLM/SGLang) and
-           ``dflash: {"decoder": "dflash"|"ar", "block_size": n, "verify_length": k}``.
+           ``dflash: {"decoder": "dflash"|"ar", "block_size": n, "verify_length": k, "tree_budget": B}``.
   response ``dflash: {"stats": GenerationStats, "queue": {...}}``; every streamed chunk carries the
            runtime event it came from in ``dflash`` (``event_to_json`` of ``dflash run --json``,
            plus ``draft_text``), so clients can colour tokens by origin.
@@ -201,7 +201,7 @@ def _decode_options(raw: Any, default: DecodeOptions) -> DecodeOptions:
     if not isinstance(raw, dict):
         raise bad("'dflash' must be an object like {'decoder': 'ar'}", "dflash")
     kw: dict[str, Any] = {}
-    for key in ("decoder", "block_size", "verify_length"):
+    for key in ("decoder", "block_size", "verify_length", "tree_budget"):
         if raw.get(key) is not None:
             v = raw[key]
             if key != "decoder" and not _is_int(v):

@@ -400,6 +400,8 @@ class RemoteBackend:
                 "block_size": opts.block_size,
                 "verify_length": opts.verify_length,
             }
+            if opts.tree_budget is not None:
+                body["dflash"]["tree_budget"] = opts.tree_budget
         if flavour in ("vllm", "sglang") and chat:
             body["chat_template_kwargs"] = {"enable_thinking": False}  # DFlash drafters were trained without
         if flavour == "sglang":
@@ -569,6 +571,8 @@ def _event_from_ext(ext: dict[str, Any]) -> DecodeEvent:
             accepted=accepted,
             tokens=tokens,
             seconds=float(ext.get("seconds", 0.0)),
+            parents=tuple(int(i) for i in ext.get("parents", [])),
+            path=tuple(int(i) for i in ext.get("path", [])),
         )
     return Finished(reason=ext.get("reason", "stop"), stats=_stats_from_json(ext.get("stats", {})))
 
