@@ -100,12 +100,13 @@ class GenerationTracker:
             if not self.origin:  # a chunk of text, not a verify step
                 return
             k, a = len(event.draft), event.accepted
-            self._grow(k)
+            depth = event.depth  # a draft tree tests its depth (its nodes are all drafted)
+            self._grow(depth)
             self.steps += 1
             self.drafted += k
             self.accepted += a
             self.hist[a] += 1
-            for j in range(k):
+            for j in range(depth):
                 self.pos_tried[j] += 1
                 self.pos_ok[j] += int(j < a)
         elif isinstance(event, Finished):
