@@ -178,8 +178,10 @@ class TreeDecoder(DFlashDecoder):
             depth = max(depth, 0)
 
             budget = self.policy.budget()
+            planned = self.block_size - 1  # slots a tree may reach (the stats' verify length)
             if budget == 0:  # the policy chose a chain of K argmax drafts for this step
-                depth = min(depth, self.policy.chain_length())
+                planned = min(planned, self.policy.chain_length())
+                depth = min(depth, planned)
 
             # 2. Draft: one drafter forward, then a best-first tree of up to B nodes (one host sync).
             tree = DraftTree((anchor,), (-1,), (0,), (-1,))
@@ -218,7 +220,7 @@ class TreeDecoder(DFlashDecoder):
             committed.extend(new_ids)
             self.policy.observe(choice_ranks(tree, path, choices))
             rec.tree_budget = budget
-            rec.step(drafted=n - 1, accepted=a, committed=len(events), planned=budget or depth, depth=tree.max_depth)
+            rec.step(drafted=n - 1, accepted=a, committed=len(events), planned=planned, depth=tree.max_depth)
             draft = tree.tokens[1:]
             draft_text = tuple(asm.decode_one(t) for t in draft) if self.tokenizer is not None else ("",) * len(draft)
             yield BlockVerified(
