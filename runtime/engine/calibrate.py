@@ -92,7 +92,7 @@ def measure_costs(pipeline: Any, context: int = 96, reps: int = 3, max_tokens: i
             target.crop(cache, context)
 
         measured[n] = timed(verify)
-    times = _interpolate(measured, top)
+    times = _interpolate(_monotone(measured), top)
     draft_rel = 0.0
     if drafter is not None and feats is not None:
         from runtime.engine.dflash import DraftHead
@@ -111,6 +111,18 @@ def measure_costs(pipeline: Any, context: int = 96, reps: int = 3, max_tokens: i
         draft_rel = timed(draft) / times[0]
     base = times[0]
     return VerifyCosts(tuple(round(t / base, 4) for t in times), round(draft_rel, 4), base)
+
+
+def _monotone(measured: dict[int, float]) -> dict[int, float]:
+    """Non-decreasing costs: each size takes the least time measured at it or any larger size. A
+    longer verify never costs less, and timing noise on a shared machine only ever adds time, so a
+    slow outlier is dropped rather than spread over its neighbours."""
+    out: dict[int, float] = {}
+    low = float("inf")
+    for n in sorted(measured, reverse=True):
+        low = min(low, measured[n])
+        out[n] = low
+    return dict(sorted(out.items()))
 
 
 def _interpolate(measured: dict[int, float], top: int) -> list[float]:

@@ -80,8 +80,12 @@ def keep_kv(cache: object, start: int, offsets: torch.Tensor | Sequence[int]) ->
     from runtime.errors import UnsupportedModelError
 
     def pick(t: torch.Tensor) -> torch.Tensor:
+        # in place over the tree region, then a view: no copy of the whole cache per step
         idx = torch.as_tensor(offsets, dtype=torch.long, device=t.device) + start
-        return torch.cat([t[..., :start, :], t.index_select(-2, idx)], dim=-2)
+        n = int(idx.numel())
+        with torch.no_grad():
+            t[..., start : start + n, :] = t.index_select(-2, idx)
+        return t[..., : start + n, :]
 
     layers = getattr(cache, "layers", None)
     if layers is not None:
