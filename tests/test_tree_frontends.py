@@ -239,3 +239,9 @@ def test_tui_stats_count_tree_depth_not_nodes():
     assert tracker.pos_tried[:2] == [2, 2] and tracker.pos_ok[:2] == [1, 0]
     assert tracker.hist[:2] == [1, 1]
     assert replace(make_stats(), tree_budget=3).tree_budget == 3
+
+
+@pytest.mark.parametrize("command", ["run", "chat", "bench", "serve"])
+def test_every_generating_command_takes_tree_budget(command):
+    r = runner.invoke(app, [command, "--help"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0 and "--tree-budget" in r.output
