@@ -24,7 +24,7 @@ from runtime.engine.drafter import DFlashDraftModel, DraftModelConfig, load_draf
 from runtime.engine.events import DecodeEvent
 from runtime.engine.target import TargetModel
 from runtime.engine.tree_budget import DEFAULT_TREE_COST, AdaptiveTreeBudget
-from runtime.engine.tree_decoder import TreeDecoder
+from runtime.engine.tree_decoder import TreeDecoder, tree_attention_support
 from runtime.engine.verify_length import DEFAULT_COST, AdaptiveVerifyLength, FixedVerifyLength, VerifyLengthPolicy
 from runtime.errors import ConfigError, InputError, ModelLoadError, UnsupportedModelError
 from runtime.models import embedded, presets
@@ -318,13 +318,16 @@ class Pipeline:
 
         ``tree_budget`` None (auto) verifies trees only where their cost is known: on CUDA, or
         when the measured costs (``runtime.engine.calibrate``) reach tree sizes, and not when a
-        block size or verify length asks for a particular chain, nor on sliding-window targets.
+        block size or verify length asks for a particular chain, nor on sliding-window targets or
+        attention implementations that take no custom mask (flash attention).
         """
         if block_size < 2 or self.drafter is None:
             return None
         if opts.tree_budget is not None:
             return opts.tree_budget or None
         if opts.block_size is not None or opts.verify_length is not None or _has_sliding_layers(self.target.config):
+            return None
+        if tree_attention_support(self.target) is not None:
             return None
         if self.costs is not None and len(self.costs.verify) > block_size:
             cost, draft_cost = list(self.costs.verify), self.costs.draft

@@ -245,3 +245,11 @@ def test_tui_stats_count_tree_depth_not_nodes():
 def test_every_generating_command_takes_tree_budget(command):
     r = runner.invoke(app, [command, "--help"], env={"COLUMNS": "200"})
     assert r.exit_code == 0 and "--tree-budget" in r.output
+
+
+def test_attention_without_custom_masks_refuses_trees():
+    model = make_target("qwen3", vocab_size=64)
+    model.config._attn_implementation = "flash_attention_2"
+    target = TargetModel(model)
+    with pytest.raises(ConfigError, match="flash_attention_2"):
+        TreeDecoder(target, make_drafter(model.config, block_size=4), tree_budget=4)

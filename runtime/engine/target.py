@@ -212,11 +212,14 @@ class TargetModel:
         return logits, feats
 
     def _additive_mask(self, tree_mask: torch.Tensor, past: int, device: torch.device) -> torch.Tensor:
-        """[1, 1, T, past + T] float mask (0 visible, dtype min hidden): transformers passes a 4D
-        mask through as it is, and both SDPA and eager attention add a float mask."""
+        """[1, 1, T, past + T] mask: transformers passes a 4D mask through as it is. SDPA takes it
+        as bool (True = visible, as transformers' own SDPA masks); eager attention adds a float mask
+        (0 visible, dtype min hidden)."""
         t = int(tree_mask.shape[-1])
         visible = torch.ones(t, past + t, dtype=torch.bool, device=device)
         visible[:, past:] = tree_mask.to(device=device, dtype=torch.bool)
+        if getattr(self.config, "_attn_implementation", None) == "sdpa":
+            return visible[None, None]
         mask = torch.zeros(t, past + t, dtype=self.dtype, device=device)
         mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
         return mask[None, None]

@@ -44,6 +44,14 @@ from runtime.engine.tree import (
 from runtime.engine.tree_budget import RANKS, FixedTreeBudget, TreeBudgetPolicy
 from runtime.errors import InputError
 
+TREE_ATTENTION = ("sdpa", "eager")  # attention implementations that take a custom 4D mask
+
+
+def tree_attention_support(target: TargetModel) -> str | None:
+    """None when the target's attention takes the tree mask, else the implementation's name."""
+    impl = getattr(getattr(target, "config", None), "_attn_implementation", None)
+    return None if impl in (None, *TREE_ATTENTION) else str(impl)
+
 
 class TreeDecoder(DFlashDecoder):
     """Speculative decoder that verifies a draft tree of ``tree_budget`` nodes per step.
@@ -77,6 +85,12 @@ class TreeDecoder(DFlashDecoder):
             tree_budget = FixedTreeBudget(tree_budget)
         if drafter is None:
             raise ConfigError("tree verification needs a drafter")
+        impl = tree_attention_support(target)
+        if impl is not None:
+            raise ConfigError(
+                f"tree verification needs a custom attention mask, which {impl} attention does not take; "
+                "load the target with sdpa or eager attention, or use --tree-budget 0"
+            )
         super().__init__(target, drafter, tokenizer, block_size=block_size, stop_token_ids=stop_token_ids)
         if self.block_size < 2:
             raise ConfigError("tree verification needs a block size >= 2")
