@@ -6,6 +6,9 @@ verifies anchor + tree in ONE forward with an ancestor-only mask and positions s
 walk follows the target's choice at each node (argmax, or its sample there: exact sampling); the
 target KV cache is compacted to the accepted path and only the accepted nodes' features become the
 drafter's next context. Tokens are exactly those of plain decoding (greedy) or an exact sample.
+
+Two host syncs per step: the slots' top candidates (the tree is built on the host) and the target's
+choices (the walk).
 """
 
 from __future__ import annotations
@@ -211,9 +214,12 @@ class TreeDecoder(DFlashDecoder):
             # 3. Verify: one target forward over the tree, ancestor-only mask, positions start + depth.
             n = len(tree)
             tree_ids = torch.tensor([tree.tokens], dtype=torch.long, device=device)  # [1, N]
-            positions = torch.tensor(tree.depths, dtype=torch.long, device=device) + start  # [N]
-            mask = ancestor_mask(tree.parents, device) if n > 1 else None  # [N, N]
-            logits, feats = target.forward(tree_ids, t_cache, positions=positions, tree_mask=mask)
+            if budget > 0 and n > 1:
+                positions = torch.tensor(tree.depths, dtype=torch.long, device=device) + start  # [N]
+                mask = ancestor_mask(tree.parents, device)  # [N, N]
+                logits, feats = target.forward(tree_ids, t_cache, positions=positions, tree_mask=mask)
+            else:  # a chain: the plain causal verify
+                logits, feats = target.forward(tree_ids, t_cache)
             choices = sample(logits, params, gen).tolist()  # [N] the target's choice at every node
 
             # 4. Walk the target's choices down the tree; commit the path and the target's next token.
