@@ -127,6 +127,16 @@ class TreeDecoder(DFlashDecoder):
         hidden = self.draft_hidden(anchor, start, pending, d_cache)[1 : 1 + depth]  # [depth, D]
         return torch.log_softmax(self.head.logits(hidden).float(), dim=-1), self.head.ids
 
+    def _texts(self, ids: Sequence[int], asm: TextAssembler) -> tuple[str, ...]:
+        """Display text of each drafted id, decoded on its own (one tokenizer call for the tree)."""
+        tok = self.tokenizer
+        if tok is None or not ids:
+            return ("",) * len(ids)
+        batch = getattr(tok, "batch_decode", None)
+        if batch is None:
+            return tuple(asm.decode_one(t) for t in ids)
+        return tuple(str(t) for t in batch([[int(t)] for t in ids], skip_special_tokens=False))
+
     @torch.inference_mode()
     def _stream(self, prompt: list[int], params: SamplingParams, cancel: CancelToken | None) -> Iterator[DecodeEvent]:
         target, device = self.target, self.target.device
@@ -242,7 +252,7 @@ class TreeDecoder(DFlashDecoder):
             rec.tree_budget = budget
             rec.step(drafted=n - 1, accepted=a, committed=len(events), planned=planned, depth=tree.max_depth)
             draft = tree.tokens[1:]
-            draft_text = tuple(asm.decode_one(t) for t in draft) if self.tokenizer is not None else ("",) * len(draft)
+            draft_text = self._texts(draft, asm)
             yield BlockVerified(
                 draft=draft,
                 draft_text=draft_text,
