@@ -335,9 +335,11 @@ class Pipeline:
             cost, draft_cost = DEFAULT_TREE_COST["cuda"], 0.1
         else:
             return None
-        stats = self.drafter.config.raw.get("dflash_config", {}).get("acceptance_conditional")
+        recorded = self.drafter.config.raw.get("dflash_config", {})
+        stats = recorded.get("acceptance_conditional")
         prior = [float(x) for x in stats] if stats else None
-        return AdaptiveTreeBudget(block_size - 1, cost, draft_cost=draft_cost, prior=prior)
+        table = recorded.get("rank_coverage")  # [depth][rank], where a drafter records it
+        return AdaptiveTreeBudget(block_size - 1, cost, draft_cost=draft_cost, prior=prior, prior_table=table)
 
     def make_decoder(self, opts: DecodeOptions | None = None) -> Decoder:
         """Build the decoder these options ask for.

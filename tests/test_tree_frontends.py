@@ -253,3 +253,11 @@ def test_attention_without_custom_masks_refuses_trees():
     target = TargetModel(model)
     with pytest.raises(ConfigError, match="flash_attention_2"):
         TreeDecoder(target, make_drafter(model.config, block_size=4), tree_budget=4)
+
+
+def test_recorded_rank_coverage_is_the_prior():
+    table = [[0.2, 0.6, 0.1], [0.2, 0.6, 0.1]]
+    pol = AdaptiveTreeBudget(3, [1.0] * 65, prior=[0.9], prior_table=table)
+    cov = pol.coverage()
+    assert len(cov) == 3 and cov[0][:3] == pytest.approx([0.2, 0.6, 0.1]) and cov[2][1] == pytest.approx(0.6)
+    assert pol.budget() > 0  # the argmax is usually wrong but rank 1 is right: a tree pays

@@ -141,6 +141,8 @@ class AdaptiveTreeBudget:
         draft_cost: relative cost of one drafter forward.
         prior: prior P(argmax accepted | path accepted) per depth (the drafter's recorded
             statistics), generic if None.
+        prior_table: a recorded coverage table ``c[d][r]`` (the drafter's measured per-slot,
+            per-rank coverage, e.g. ``dflash_config.rank_coverage``); overrides ``prior``.
         prior_weight: pseudo-counts given to the prior.
         every: re-plan after this many steps.
         budgets: tree budgets to consider.
@@ -155,12 +157,16 @@ class AdaptiveTreeBudget:
         prior_weight: float = 20.0,
         every: int = 8,
         budgets: Sequence[int] = BUDGETS,
+        prior_table: Sequence[Sequence[float]] | None = None,
     ) -> None:
         self.max_depth = max_depth
         self.cost = list(cost)
         self.draft_cost = draft_cost
         self.budgets = tuple(budgets)
         table = prior_coverage(prior or [], max_depth)
+        if prior_table:
+            rows = [([float(x) for x in row] + [0.0] * RANKS)[:RANKS] for row in prior_table]
+            table = (rows + [rows[-1]] * max_depth)[:max_depth]
         self.hits = [[p * prior_weight for p in row] for row in table]
         self.tried = [prior_weight] * max_depth
         self.every = every
