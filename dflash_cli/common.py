@@ -86,6 +86,14 @@ BlockSizeOpt = Annotated[
 VerifyOpt = Annotated[
     int | None, typer.Option("--verify-length", help="Drafts verified per step (default: chosen for the device).")
 ]
+TreeBudgetOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--tree-budget",
+        help="Tree verification (DDTree): drafted nodes verified per step; 0 = the chain "
+        "(default: chosen for the device from measured costs).",
+    ),
+]
 DecoderOpt = Annotated[DecoderChoice, typer.Option("--decoder", help="dflash (speculative) or ar (plain).")]
 ServerOpt = Annotated[
     str | None,

@@ -21,9 +21,8 @@ def format_stats_line(stats: Any, reason: str) -> str:
         f"TTFT {stats.ttft_seconds * 1000:.0f} ms | {stats.decoder}"
     )
     if stats.decoder == "dflash":
-        line += (
-            f" | tau {stats.tau:.2f} | accept {stats.acceptance_rate * 100:.0f}% "
-            f"| block {stats.block_size}, verify {stats.verify_length}"
+        line += f" | tau {stats.tau:.2f} | accept {stats.acceptance_rate * 100:.0f}% | block {stats.block_size}, " + (
+            f"tree {stats.tree_budget}" if getattr(stats, "tree_budget", 0) else f"verify {stats.verify_length}"
         )
     return line + f" | finish: {reason}"
 

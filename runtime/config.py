@@ -12,6 +12,7 @@ from runtime.errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda", "mps")
+MAX_TREE_BUDGET = 1024  # drafted nodes per tree verify
 
 
 @dataclass(frozen=True)
@@ -126,11 +127,15 @@ class DecodeOptions:
         block_size: drafter block size override (None: the drafter's own).
         verify_length: drafts verified per step (None: chosen for the device, see
             ``runtime.engine.verify_length``). Setting ``block_size`` without it verifies the whole block.
+        tree_budget: tree verification (DDTree) with this many drafted nodes per verify; 0 = the
+            chain; None: chosen for the device (``runtime.engine.tree_budget``) when the verify
+            costs of trees are known, else the chain.
     """
 
     decoder: str = "dflash"
     block_size: int | None = None
     verify_length: int | None = None
+    tree_budget: int | None = None
 
     def __post_init__(self) -> None:
         if self.decoder not in ("dflash", "ar"):
@@ -139,3 +144,5 @@ class DecodeOptions:
             raise ConfigError(f"block size must be >= 1, got {self.block_size}")
         if self.verify_length is not None and self.verify_length < 0:
             raise ConfigError(f"verify length must be >= 0, got {self.verify_length}")
+        if self.tree_budget is not None and not (0 <= self.tree_budget <= MAX_TREE_BUDGET):
+            raise ConfigError(f"tree budget must be in [0, {MAX_TREE_BUDGET}] (0 = chain), got {self.tree_budget}")

@@ -26,6 +26,8 @@ from runtime.engine.events import DecodeEvent
 from runtime.engine.lean_target import LeanTarget, lean_supported
 from runtime.engine.linear import pack_linears
 from runtime.engine.target import TargetModel
+from runtime.engine.tree_budget import DEFAULT_TREE_COST, AdaptiveTreeBudget
+from runtime.engine.tree_decoder import TreeDecoder, tree_attention_support
 from runtime.engine.verify_length import DEFAULT_COST, AdaptiveVerifyLength, FixedVerifyLength, VerifyLengthPolicy
 from runtime.errors import ConfigError, InputError, ModelLoadError, UnsupportedModelError
 from runtime.models import embedded, presets
@@ -221,6 +223,14 @@ def make_target(model: Any, engine: str = "auto", progress: Progress | None = No
     return TargetModel(model)
 
 
+def _has_sliding_layers(config: Any) -> bool:
+    """True when some target layers use a sliding window (their caches cannot be compacted)."""
+    types = getattr(config, "layer_types", None) or ()
+    if "sliding_attention" in types:
+        return True
+    return bool(getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None))
+
+
 class Pipeline:
     """A loaded pair: encode prompts, build decoders, stream events.
 
@@ -331,6 +341,35 @@ class Pipeline:
             prior = [float(x) for x in stats] if stats else None
         return AdaptiveVerifyLength(max_k, cost, draft_cost=draft_cost, prior=prior)
 
+    def tree_policy(self, opts: DecodeOptions, block_size: int) -> int | AdaptiveTreeBudget | None:
+        """Tree verification for these options on this device: a fixed budget, an adaptive policy,
+        or None for the chain.
+
+        ``tree_budget`` None (auto) verifies trees only where their cost is known: on CUDA, or
+        when the measured costs (``runtime.engine.calibrate``) reach tree sizes, and not when a
+        block size or verify length asks for a particular chain, nor on sliding-window targets or
+        attention implementations that take no custom mask (flash attention).
+        """
+        if block_size < 2 or self.drafter is None:
+            return None
+        if opts.tree_budget is not None:
+            return opts.tree_budget or None
+        if opts.block_size is not None or opts.verify_length is not None or _has_sliding_layers(self.target.config):
+            return None
+        if tree_attention_support(self.target) is not None:
+            return None
+        if self.costs is not None and len(self.costs.verify) > block_size:
+            cost, draft_cost = list(self.costs.verify), self.costs.draft
+        elif self.device.type == "cuda":
+            cost, draft_cost = DEFAULT_TREE_COST["cuda"], 0.1
+        else:
+            return None
+        recorded = self.drafter.config.raw.get("dflash_config", {})
+        stats = recorded.get("acceptance_conditional")
+        prior = [float(x) for x in stats] if stats else None
+        table = recorded.get("rank_coverage")  # [depth][rank], where a drafter records it
+        return AdaptiveTreeBudget(block_size - 1, cost, draft_cost=draft_cost, prior=prior, prior_table=table)
+
     def make_decoder(self, opts: DecodeOptions | None = None) -> Decoder:
         """Build the decoder these options ask for.
 
@@ -350,6 +389,16 @@ class Pipeline:
                 f"no drafter is loaded for {self.pair.target_name}; name one with --drafter or use --decoder ar"
             )
         block = opts.block_size or self.block_size
+        tree = self.tree_policy(opts, block)
+        if tree is not None:
+            return TreeDecoder(
+                self.target,
+                self.drafter,
+                self.tokenizer,
+                block_size=block,
+                tree_budget=tree,
+                stop_token_ids=self.stop_token_ids,
+            )
         return DFlashDecoder(
             self.target,
             self.drafter,

@@ -160,12 +160,14 @@ def remember_use(pipe: Pipeline, usage_log: Path, preset: str | None = None) -> 
 def calibrate(pipe: Pipeline, cache_file: Path, progress: Progress | None = None) -> None:
     """Give the pipeline this machine's measured verify costs (measured once per
     model/device/dtype/threads, cached in ``cache_file``) so that the runtime picks the verify
-    length from them. GPUs verify a whole block for about the cost of one token and skip this."""
+    length and the tree budget from them. GPUs verify a whole block or tree for about the cost of one
+    token and skip this."""
     if pipe.drafter is None or pipe.device.type == "cuda":
         return
-    from runtime.engine.calibrate import cache_key, cached_costs
+    from runtime.engine.calibrate import TREE_VERIFY_TOKENS, cache_key, cached_costs
 
     known = cache_file.exists() and cache_key(pipe) in cache_file.read_text()
     if not known and progress:
         progress("measuring the verify cost on this machine once (a few seconds)")
-    pipe.costs = cached_costs(pipe, cache_file)
+    # verifies up to TREE_VERIFY_TOKENS tokens are timed too: the tree budget is chosen from them
+    pipe.costs = cached_costs(pipe, cache_file, max_tokens=TREE_VERIFY_TOKENS)

@@ -25,6 +25,7 @@ from runtime.engine.events import (
     TokenEvent,
     TokenStatus,
 )
+from runtime.engine.tree_decoder import TreeDecoder
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -209,6 +210,38 @@ class OracleDecoder(DFlashDecoder):
             wrong = self.adversarial or float(torch.rand((), generator=self.gen)) < self.corrupt
             out.append((t + 1) % vocab if wrong else t)
         return torch.tensor(out, dtype=torch.long, device=self.target.device)
+
+
+class TreeOracleDecoder(TreeDecoder):
+    """Tree decoder whose per-slot draft distributions put the target's greedy token first.
+
+    ``corrupt`` (0..1) demotes the true token to rank ``demote`` at a slot with that probability
+    (a tree with enough budget still finds it; a chain would not); ``adversarial`` gives the true
+    token probability 0 at every slot (tau == 1).
+    """
+
+    def __init__(
+        self, *args: Any, corrupt: float = 0.0, demote: int = 1, adversarial: bool = False, seed: int = 0, **kw: Any
+    ) -> None:
+        super().__init__(*args, **kw)
+        self.corrupt, self.demote, self.adversarial = corrupt, demote, adversarial
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def draft_logprobs(self, anchor, start, depth, pending, d_cache, committed):  # type: ignore[no-untyped-def]
+        truth = greedy_reference(self.target.model, list(committed), depth)
+        vocab = self.target.vocab_size
+        scores = torch.full((depth, vocab), -20.0)
+        for d, t in enumerate(truth):
+            others = [(t + j) % vocab for j in range(1, vocab)]
+            order = list(others)
+            if not self.adversarial:
+                rank = self.demote if float(torch.rand((), generator=self.gen)) < self.corrupt else 0
+                order.insert(rank, t)
+            for r, tok in enumerate(order):
+                scores[d, tok] = -5.0 * r  # rank 0 near-certain, strictly decreasing by rank
+            if self.adversarial:
+                scores[d, t] = float("-inf")
+        return torch.log_softmax(scores, dim=-1).to(self.target.device), None
 
 
 def collect_ids(events: Sequence[DecodeEvent]) -> list[int]:

@@ -13,6 +13,7 @@ from runtime.config import SamplingParams
 from runtime.engine import AutoregressiveDecoder
 from runtime.engine.sampling import probabilities
 from runtime.engine.target import TargetModel
+from runtime.engine.tree_decoder import TreeDecoder
 from tests.fakes import OracleDecoder, collect_ids, make_drafter, make_target
 
 V, N_NEW, RUNS = 5, 3, 1500
@@ -82,3 +83,31 @@ def test_dflash_sampling_matches_target_distribution(params):
     for counts in (spec, plain):
         stat, dof = chi_square(counts, probs, RUNS)
         assert stat < critical(dof), (stat, dof, critical(dof))
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0, max_new_tokens=N_NEW),
+        SamplingParams(temperature=1.3, top_p=0.8, max_new_tokens=N_NEW),
+    ],
+    ids=["t1", "topp"],
+)
+def test_tree_sampling_matches_target_distribution(params):
+    """The walk follows the target's sample at each visited node: every committed token is an
+    exact sample of the target given the accepted path, whatever the tree holds."""
+    model = make_target("qwen3", vocab_size=V, seed=11, initializer_range=0.5)
+    target = TargetModel(model)
+    drafter = make_drafter(model.config, block_size=4)
+    probs = exact_distribution(model, params)
+    counts: dict[tuple[int, ...], int] = {}
+    accepted = 0
+    for seed in range(RUNS):
+        p = SamplingParams(**{**params.__dict__, "seed": seed})
+        ev = list(TreeDecoder(target, drafter, tree_budget=6).stream(PROMPT, p))
+        accepted += ev[-1].stats.accepted_tokens
+        key = tuple(collect_ids(ev))
+        counts[key] = counts.get(key, 0) + 1
+    assert accepted > RUNS * 0.3, "tree nodes must be accepted often for the test to mean anything"
+    stat, dof = chi_square(counts, probs, RUNS)
+    assert stat < critical(dof), (stat, dof, critical(dof))

@@ -290,10 +290,16 @@ def test_decoder_options_per_request(server, local):
 
 
 @pytest.mark.parametrize(
-    # the verify length is pinned: chosen from measured costs, it may differ between two processes
     "opts",
-    [DecodeOptions(verify_length=3), DecodeOptions(decoder="ar"), DecodeOptions(block_size=2)],
-    ids=["dflash", "ar", "b2"],
+    # the chain and its length are pinned: the served default picks chain or tree, and K, from the
+    # server process's measured costs, which the local pipeline here does not have
+    [
+        DecodeOptions(tree_budget=0, verify_length=3),
+        DecodeOptions(decoder="ar"),
+        DecodeOptions(block_size=2),
+        DecodeOptions(tree_budget=8),
+    ],
+    ids=["dflash", "ar", "b2", "tree8"],
 )
 def test_remote_backend_gives_the_local_events(server, local, opts):
     """What chat and bench do with --server: the same Backend calls, the same events as the local pair."""
@@ -315,4 +321,8 @@ def test_remote_backend_gives_the_local_events(server, local, opts):
         w.block_size,
         w.drafted_tokens,
     )
+    if opts.tree_budget:  # the tree of every step comes back as it was verified
+        trees = [[(e.draft, e.parents, e.path) for e in ev if e.type == "block"] for ev in (got, want)]
+        assert trees[0] == trees[1] and any(p for _, p, _ in trees[0])
+        assert g.tree_budget == w.tree_budget == 8
     assert remote.capabilities.per_token_origin and remote.describe()["engine"] == "dflash"

@@ -76,7 +76,7 @@ class GenerationTracker:
             self.seconds += event.seconds
             self.generated += len(event.tokens)
             if self.origin:  # else a chunk of text, not a verify step
-                self.live.record(len(event.draft), event.accepted)
+                self.live.record(len(event.draft), event.accepted, depth=event.depth)  # a tree tests its depth
         elif isinstance(event, Finished):
             self.final = event.stats
             self.reason = event.reason

@@ -23,6 +23,8 @@ from .stats import GenerationTracker, SessionTotals, bars, histogram_bars
 
 ACCEPTED, TARGET, REJECTED, PLAIN = "accepted", "target", "rejected", "plain"  # plain: stored answers
 GHOST_NEWLINE = "↵"  # how a newline inside rejected drafts is shown
+GHOST_BRANCHES = 4  # losing branches of a draft tree shown as ghost text
+GHOST_BRANCH_SEP = "│"  # between two losing branches
 CHUNK_LINES = 12  # a streaming answer is split into chunks of about this many lines
 
 
@@ -193,12 +195,15 @@ class AssistantTurn(Vertical):
         self._show(lambda: self._paint(parts))
 
     def add_block(self, event: BlockVerified) -> None:
-        """Append one verify step: accepted drafts, the rejected tail as ghost text, the target's token."""
+        """Append one verify step: accepted drafts, the rejected tail (a tree: its losing branches) as
+        ghost text, the target's token."""
         if not self.origin:
             self.add_tokens(event.tokens)
             return
         # a rejected draft never breaks the answer's lines: its newlines show as a symbol
-        ghost = "".join(event.rejected_text).replace("\r\n", "\n").replace("\n", GHOST_NEWLINE)
+        # a draft tree lost several branches where the walk stopped: show the best few, split by a bar
+        branches = event.losing_branches_text[:GHOST_BRANCHES]
+        ghost = GHOST_BRANCH_SEP.join(branches).replace("\r\n", "\n").replace("\n", GHOST_NEWLINE)
         cut = min(event.accepted, len(event.tokens))
         parts: list[tuple[str, str]] = []
         for i, t in enumerate(event.tokens):

@@ -30,6 +30,7 @@ from ..common import (
     ServerOpt,
     TargetOpt,
     ThreadsOpt,
+    TreeBudgetOpt,
     VerifyOpt,
     open_pipeline,
     session_options,
@@ -79,6 +80,15 @@ def _block_sizes(value: str | None) -> tuple[int, ...]:
         raise ConfigError(f"--block-size expects block sizes like 4,8,16, got {value!r}") from None
 
 
+def _tree_budgets(value: str | None) -> tuple[int | None, ...]:
+    from runtime.errors import ConfigError
+
+    try:
+        return tuple(None if p.lower() == "auto" else int(p) for p in _split(value, "--tree-budgets"))
+    except ValueError:
+        raise ConfigError(f"--tree-budgets expects budgets like 0,4,8,16,auto, got {value!r}") from None
+
+
 def _err(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
@@ -114,6 +124,15 @@ def bench(
         ),
     ] = None,
     verify_length: VerifyOpt = None,
+    tree_budget: TreeBudgetOpt = None,
+    tree_budgets: Annotated[
+        str | None,
+        typer.Option(
+            "--tree-budgets",
+            help="DFlash tree budgets to sweep, one row each, e.g. 0,4,8,16,32,auto (0 = chain, auto = the "
+            "runtime's choice).",
+        ),
+    ] = None,
     assistant: Annotated[
         str | None,
         typer.Option("--assistant", help="Draft model for transformers' assisted generation (Hub id or folder)."),
@@ -171,6 +190,8 @@ def bench(
         methods=wanted,
         block_sizes=sizes,
         verify_length=verify_length,
+        tree_budgets=_tree_budgets(tree_budgets),
+        tree_budget=tree_budget,
         max_new_tokens=max_tokens,
         temperature=temperature,
         seed=seed,
@@ -202,7 +223,9 @@ def bench(
         warn_block_size(pipe, sizes)
         if not method_list and pipe.drafter is None:
             _err(f"dflash: note: no drafter loaded for {pipe.pair.target_name}; skipping the dflash rows")
-            config = replace(config, methods=tuple(m for m in config.methods if m != "dflash"), block_sizes=())
+            config = replace(
+                config, methods=tuple(m for m in config.methods if m != "dflash"), block_sizes=(), tree_budgets=()
+            )
         helper = (
             load_assistant(assistant, pipe, replace(session.load, revision=None, quantize=None)) if assistant else None
         )

@@ -36,6 +36,7 @@ from ..common import (
     ThreadsOpt,
     TopKOpt,
     TopPOpt,
+    TreeBudgetOpt,
     VerifyOpt,
     open_backend,
     session_options,
@@ -90,6 +91,7 @@ def chat(
     seed: SeedOpt = 0,
     block_size: BlockSizeOpt = None,
     verify_length: VerifyOpt = None,
+    tree_budget: TreeBudgetOpt = None,
     decoder: DecoderOpt = DecoderChoice.dflash,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = DtypeChoice.auto,
@@ -143,7 +145,9 @@ def chat(
     )
     # --drafter none means plain decoding: no drafter to draft with.
     plain = decoder == DecoderChoice.ar or (drafter or "").lower() == "none"
-    opts = DecodeOptions(decoder="ar" if plain else "dflash", block_size=block_size, verify_length=verify_length)
+    opts = DecodeOptions(
+        decoder="ar" if plain else "dflash", block_size=block_size, verify_length=verify_length, tree_budget=tree_budget
+    )
     session = session_options(model, target, drafter, device, dtype, offline, revision, quantize, threads, server, opts)
     resume_id = _resume_id(resume, db) if resume is not None else None
     if not interactive():

@@ -34,6 +34,7 @@ from ..common import (
     ThreadsOpt,
     TopKOpt,
     TopPOpt,
+    TreeBudgetOpt,
     VerifyOpt,
     open_backend,
     parse_ids,
@@ -88,6 +89,7 @@ def run(
     seed: SeedOpt = 0,
     block_size: BlockSizeOpt = None,
     verify_length: VerifyOpt = None,
+    tree_budget: TreeBudgetOpt = None,
     decoder: DecoderOpt = DecoderChoice.dflash,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = DtypeChoice.auto,
@@ -128,7 +130,9 @@ def run(
         max_new_tokens=max_tokens,
         stop_strings=tuple(stop or ()),
     )
-    opts = DecodeOptions(decoder=decoder.value, block_size=block_size, verify_length=verify_length)
+    opts = DecodeOptions(
+        decoder=decoder.value, block_size=block_size, verify_length=verify_length, tree_budget=tree_budget
+    )
     use_chat = False if raw else (True if chat else None)
     cancel = CancelToken()
     # a remote OpenAI-compatible server (--server) or the local pair: same events, same rendering

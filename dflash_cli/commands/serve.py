@@ -33,6 +33,7 @@ from ..common import (
     RevisionOpt,
     TargetOpt,
     ThreadsOpt,
+    TreeBudgetOpt,
     VerifyOpt,
     debug_enabled,
     load_options,
@@ -186,6 +187,7 @@ def serve(
     ] = 16,
     block_size: BlockSizeOpt = None,
     verify_length: VerifyOpt = None,
+    tree_budget: TreeBudgetOpt = None,
     decoder: DecoderOpt = DecoderChoice.dflash,
     draft_tokens: Annotated[
         int | None,
@@ -240,7 +242,9 @@ def serve(
         raise ConfigError(f"--max-tokens-limit must be >= 1, got {max_tokens_limit}")
     if max_queue < 0:
         raise ConfigError(f"--max-queue must be >= 0, got {max_queue}")
-    opts = DecodeOptions(decoder=decoder.value, block_size=block_size, verify_length=verify_length)
+    opts = DecodeOptions(
+        decoder=decoder.value, block_size=block_size, verify_length=verify_length, tree_budget=tree_budget
+    )
     api_key = os.environ.get("DFLASH_API_KEY", "").strip() or None
     session = session_options(model, target, drafter, device, dtype, offline, revision, quantize, threads)
     sock = _bind(host, port)

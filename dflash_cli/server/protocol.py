@@ -3,7 +3,7 @@ builders, OpenAI-style errors.
 
 Extensions (ignored by OpenAI clients):
   request  ``top_k``, ``ignore_eos``, ``stop_token_ids`` (as in vLLM/SGLang) and
-           ``dflash: {"decoder": "dflash"|"ar", "block_size": n, "verify_length": k}``.
+           ``dflash: {"decoder": "dflash"|"ar", "block_size": n, "verify_length": k, "tree_budget": B}``.
   response ``dflash: {"stats": GenerationStats, "queue": {...}}``; every streamed chunk carries the
            runtime event it came from in ``dflash`` (``event_to_json`` of ``dflash run --json``,
            plus ``draft_text``), so clients can colour tokens by origin.
@@ -139,6 +139,9 @@ class Message(_Schema):
         return "".join(p.text for p in self.content)
 
 
+MAX_TREE_BUDGET = 128  # largest per-request dflash.tree_budget (README "Serving")
+
+
 class DFlashOptions(BaseModel):
     """The request's ``dflash`` extension."""
 
@@ -146,6 +149,8 @@ class DFlashOptions(BaseModel):
     decoder: Literal["dflash", "ar"] | None = None
     block_size: Annotated[int, Field(ge=1)] | None = None
     verify_length: Annotated[int, Field(ge=0)] | None = None
+    # a tree of B nodes is verified in one forward: capped so that one request cannot make a huge step
+    tree_budget: Annotated[int, Field(ge=0, le=MAX_TREE_BUDGET)] | None = None
 
 
 class StreamOptions(_Schema):

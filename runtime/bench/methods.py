@@ -109,6 +109,7 @@ class PromptRun:
             they committed; drafts, per-slot counts and the histogram for DFlash.
         drafts_known: the method reports its drafts (DFlash); else ``drafted``/``accepted`` are None.
         verify_length: drafts verified per step, as the runtime chose it (DFlash only).
+        tree_budget: drafted nodes per tree verify, as the runtime last chose it (0: chain; DFlash only).
         peak_memory: bytes (see ``PeakMemory``).
         generated: tokens generated when their ids are unknown (a server that streams text
             only; ``tokens`` is then empty). None: ``len(tokens)``.
@@ -122,6 +123,7 @@ class PromptRun:
     verify_length: int | None = None
     peak_memory: int | None = None
     generated: int | None = None
+    tree_budget: int | None = None
 
     @property
     def steps(self) -> int:
@@ -187,14 +189,15 @@ def count_events(events: Sequence[Any], seconds: float, ttft: float, block: int,
     """
     tokens: list[int] = []
     counter = AcceptanceCounter(slots=max(block - 1, 0))
-    verify_length = None
+    verify_length = tree_budget = None
     for ev in events:
         if isinstance(ev, Finished):
             verify_length = ev.stats.verify_length
+            tree_budget = getattr(ev.stats, "tree_budget", 0)
             continue
         tokens.extend(t.token_id for t in ev.tokens)
         if isinstance(ev, BlockVerified):
-            counter.record(len(ev.draft), ev.accepted)
+            counter.record(len(ev.draft), ev.accepted, depth=ev.depth)  # a tree tests its depth, not its nodes
     is_dflash = block > 1
     counts = counter.counts()
     return PromptRun(
@@ -205,6 +208,7 @@ def count_events(events: Sequence[Any], seconds: float, ttft: float, block: int,
         drafts_known=is_dflash,
         verify_length=verify_length if is_dflash else None,
         peak_memory=peak,
+        tree_budget=tree_budget if is_dflash else None,
     )
 
 

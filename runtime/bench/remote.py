@@ -70,7 +70,8 @@ def remote_specs(config: BenchConfig, flavour: str) -> list[MethodSpec]:
     refuse_local_methods(config)
     if flavour == "dflash":
         return config.specs()
-    if config.block_sizes or config.verify_length is not None or set(config.methods) - {"ar", "dflash"}:
+    per_request = config.block_sizes or config.verify_length is not None or config.tree_budgets
+    if per_request or config.tree_budget is not None or set(config.methods) - {"ar", "dflash"}:
         raise ConfigError(
             f"a {flavour} server fixes its decoding when it starts, so --block-size/--verify-length/--methods "
             "cannot be chosen per request; bench it as it runs (and bench a server started without speculative "
@@ -212,7 +213,9 @@ def run_bench_remote(
         elif spec.method == "ar":
             opts = DecodeOptions(decoder="ar")
         else:
-            opts = DecodeOptions(block_size=spec.block_size, verify_length=config.verify_length)
+            opts = DecodeOptions(
+                block_size=spec.block_size, verify_length=config.verify_length, tree_budget=spec.tree_budget
+            )
         r = run_remote(backend, prompt, config.mode, p, opts)
         prompt_tokens.setdefault(index[id(prompt)], r.prompt_tokens)
         texts.update(r.texts)

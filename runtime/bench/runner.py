@@ -75,6 +75,9 @@ class BenchConfig:
         block_sizes: DFlash block sizes to sweep (empty: the runtime's own choice of block and
             verify length, as ``dflash run`` uses).
         verify_length: drafts verified per DFlash step (None: the runtime's choice).
+        tree_budgets: tree budgets to sweep for DFlash (0: the chain, None: the runtime's choice);
+            empty: one row with ``tree_budget``.
+        tree_budget: tree budget of the DFlash rows when not sweeping (None: the runtime's choice).
         max_new_tokens: tokens generated per prompt.
         temperature: 0 for greedy (tokens are then checked against ``ar``).
         seed: sampling seed.
@@ -89,6 +92,8 @@ class BenchConfig:
     methods: tuple[str, ...] = ("ar", "hf", "pld", "dflash")
     block_sizes: tuple[int, ...] = ()
     verify_length: int | None = None
+    tree_budgets: tuple[int | None, ...] = ()
+    tree_budget: int | None = None
     max_new_tokens: int = 128
     temperature: float = 0.0
     seed: int = 0
@@ -112,6 +117,11 @@ class BenchConfig:
             raise ConfigError("--block-size sweeps DFlash block sizes; add dflash to --methods")
         if self.verify_length is not None and self.verify_length < 1:
             raise ConfigError(f"--verify-length must be >= 1, got {self.verify_length}")
+        budgets = [b for b in (*self.tree_budgets, self.tree_budget) if b is not None]
+        if any(b < 0 for b in budgets):
+            raise ConfigError(f"tree budgets must be >= 0 (0 = chain), got {min(budgets)}")
+        if self.tree_budgets and "dflash" not in self.methods:
+            raise ConfigError("--tree-budgets sweeps DFlash tree budgets; add dflash to --methods")
         if self.max_new_tokens < 1:
             raise ConfigError(f"--max-tokens must be >= 1, got {self.max_new_tokens}")
         if self.temperature < 0:
@@ -134,8 +144,17 @@ class BenchConfig:
         for m in METHODS[1:]:
             if m not in self.methods:
                 continue
-            if m == "dflash" and self.block_sizes:
-                out += [MethodSpec(f"dflash-b{b}", "dflash", b) for b in dict.fromkeys(self.block_sizes)]
+            if m == "dflash" and (self.block_sizes or self.tree_budgets):
+                blocks: tuple[int | None, ...] = tuple(dict.fromkeys(self.block_sizes)) or (None,)
+                trees = tuple(dict.fromkeys(self.tree_budgets)) or (self.tree_budget,)
+                for b in blocks:
+                    for t in trees:
+                        name = "dflash" + (f"-b{b}" if b else "")
+                        if self.tree_budgets:
+                            name += "-chain" if t == 0 else ("-tree-auto" if t is None else f"-tree{t}")
+                        out.append(MethodSpec(name, "dflash", b, t))
+            elif m == "dflash":
+                out.append(MethodSpec(m, m, None, self.tree_budget))
             else:
                 out.append(MethodSpec(m, m))
         return out
@@ -143,11 +162,13 @@ class BenchConfig:
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """One row of the bench: a method, and for DFlash a block size (None: the drafter's own)."""
+    """One row of the bench: a method, and for DFlash a block size (None: the drafter's own) and a
+    tree budget (0: chain, None: the runtime's choice)."""
 
     name: str
     method: str
     block_size: int | None = None
+    tree_budget: int | None = None
 
 
 @dataclass(frozen=True)
@@ -182,6 +203,7 @@ class MethodResult:
         draft: what proposes the drafts (drafter or assistant name, "prompt n-grams"; None).
         block_size: DFlash block size used (None for the others).
         verify_lengths: DFlash verify length the runtime used, per prompt.
+        tree_budgets: DFlash tree budget the runtime used, per prompt (0: chain).
         runs: per-prompt measurements, in prompt order.
         tok_s_median, tok_s_mean, tok_s_stdev, tok_s_min, tok_s_max: tokens per second over prompts.
         ttft_median: median time to first token (s).
@@ -219,13 +241,17 @@ class MethodResult:
     peak_memory: int | None
     agreement: int | None
     first_divergence: Divergence | None
+    tree_budgets: tuple[int, ...] = ()
 
     @property
     def label(self) -> str:
-        """Display name, e.g. ``dflash b8 (verify 3)``."""
+        """Display name, e.g. ``dflash b8 (verify 3)`` or ``dflash b8 tree16``."""
         if self.method != "dflash":
             return self.name
         text = f"dflash b{self.block_size}" if self.block_size else "dflash"
+        tb = sorted(set(self.tree_budgets))
+        if tb and tb[-1] > 0:
+            return text + (f" tree{tb[0]}" if len(tb) == 1 else f" tree{tb[0]}-{tb[-1]}")
         vl = sorted(set(self.verify_lengths))
         if vl:
             text += f" (verify {vl[0]})" if len(vl) == 1 else f" (verify {vl[0]}-{vl[-1]})"
@@ -246,6 +272,7 @@ class MethodResult:
                 "drafted": r.drafted,
                 "accepted": r.accepted,
                 "verify_length": r.verify_length,
+                "tree_budget": r.tree_budget,
                 "peak_memory_bytes": r.peak_memory,
             }
             if with_tokens:  # null: the server streamed text without token ids
@@ -258,6 +285,7 @@ class MethodResult:
             "draft": self.draft,
             "block_size": self.block_size,
             "verify_lengths": list(self.verify_lengths),
+            "tree_budgets": list(self.tree_budgets),
             "tokens_per_second": {
                 "median": self.tok_s_median,
                 "mean": self.tok_s_mean,
@@ -320,6 +348,7 @@ class BenchResult:
         cfg = asdict(self.config)
         cfg["methods"] = list(self.config.methods)
         cfg["block_sizes"] = list(self.config.block_sizes)
+        cfg["tree_budgets"] = list(self.config.tree_budgets)
         return {
             "schema": SCHEMA,
             "run_id": run_id,
@@ -435,6 +464,7 @@ def summarise(
         draft=draft,
         block_size=block_size,
         verify_lengths=tuple(r.verify_length for r in runs if r.verify_length is not None),
+        tree_budgets=tuple(r.tree_budget for r in runs if r.tree_budget is not None),
         runs=tuple(runs),
         tok_s_median=_median(tps),
         tok_s_mean=float(statistics.fmean(tps)) if tps else 0.0,
@@ -560,7 +590,9 @@ def run_bench(
             opts = (
                 DecodeOptions(decoder="ar")
                 if spec.method == "ar"
-                else DecodeOptions(block_size=spec.block_size, verify_length=config.verify_length)
+                else DecodeOptions(
+                    block_size=spec.block_size, verify_length=config.verify_length, tree_budget=spec.tree_budget
+                )
             )
             return run_decoder(pipe, opts, ids, p, mem)
         return run_generate(

@@ -415,6 +415,8 @@ class RemoteBackend:
                 "block_size": opts.block_size,
                 "verify_length": opts.verify_length,
             }
+            if opts.tree_budget is not None:
+                body["dflash"]["tree_budget"] = opts.tree_budget
         if flavour in ("vllm", "sglang") and chat:
             body["chat_template_kwargs"] = {"enable_thinking": False}  # DFlash drafters were trained without
         if flavour == "sglang":

@@ -151,15 +151,18 @@ class AcceptanceCounter:
         for seq, n in ((self.slot_tried, slots), (self.slot_accepted, slots), (self.histogram, slots + 1)):
             seq.extend([0] * (n - len(seq)))
 
-    def record(self, drafted: int, accepted: int, committed: int | None = None) -> None:
+    def record(self, drafted: int, accepted: int, committed: int | None = None, depth: int | None = None) -> None:
         """One verify step: ``drafted`` proposals, ``accepted`` of them kept, ``committed`` tokens
-        (default ``accepted + 1``: the accepted drafts and the target's own token)."""
-        self._grow(drafted)
+        (default ``accepted + 1``: the accepted drafts and the target's own token). For a draft tree,
+        ``drafted`` counts its nodes and ``depth`` its deepest level: the slots that were tested, the
+        accepted count being the accepted depth."""
+        slots = drafted if depth is None else depth
+        self._grow(slots)
         self.steps += 1
         self.drafted += drafted
         self.accepted += accepted
         self.committed += accepted + 1 if committed is None else committed
-        for k in range(drafted):
+        for k in range(slots):
             self.slot_tried[k] += 1
             self.slot_accepted[k] += int(k < accepted)
         self.histogram[accepted] += 1

@@ -1,7 +1,8 @@
 """Measure what a verify step costs on this device, to choose the verify length.
 
 ``measure_costs`` times target forwards of n = 1..b tokens on top of a KV cache and one drafter
-forward, relative to a one-token target forward. ``cached_costs`` keeps the result in a JSON file
+forward, relative to a one-token target forward; for tree verification (``max_tokens`` > b) it
+also times a few larger verifies up to ``max_tokens`` (17, 33, 65) and interpolates between them. ``cached_costs`` keeps the result in a JSON file
 (keyed by model, device, dtype, threads and torch version) so that only the first run pays the
 few seconds it takes.
 
@@ -85,14 +86,23 @@ def _sync(device: torch.device) -> None:
         torch.mps.synchronize()
 
 
+TREE_POINTS = (12, 17, 24, 33, 48, 65)  # verify sizes timed beyond the block for trees
+TREE_VERIFY_TOKENS = 65  # largest tree verify costed by default (budget 64 + the anchor)
+
+
 @torch.inference_mode()
-def measure_costs(pipeline: Any, context: int = 96, reps: int = 3) -> VerifyCosts:
-    """Time verify forwards of 1..block_size tokens and one drafter forward.
+def measure_costs(pipeline: Any, context: int = 96, reps: int = 3, max_tokens: int | None = None) -> VerifyCosts:
+    """Time verify forwards of 1..block_size tokens (and up to ``max_tokens`` for trees) and one
+    drafter forward.
 
     Args:
         pipeline: a loaded ``Pipeline`` with a drafter.
         context: tokens already in the KV cache (a typical prompt).
         reps: repetitions per length (the median is kept).
+        max_tokens: also cost verifies up to this many tokens (tree verification; None: the block).
+
+    Returns:
+        ``VerifyCosts`` with ``verify`` dense over n = 1..max(block, max_tokens).
     """
     target, drafter = pipeline.target, pipeline.drafter
     device = target.device
@@ -120,15 +130,23 @@ def measure_costs(pipeline: Any, context: int = 96, reps: int = 3) -> VerifyCost
         spreads.append((max(kept) - min(kept)) / mid if mid > 0 else 0.0)
         return mid
 
-    times = []
-    for n in range(1, b + 1):
+    top = max(b, max_tokens or 0)
+    context = max(context, top)
+    if prompt.shape[1] < context:
+        prompt = torch.randint(0, min(vocab, 20000), (1, context), generator=gen).to(device)
+        cache = target.new_cache()
+        _, feats = target.forward(prompt, cache, logits_to_keep=1, capture=drafter is not None)
+    sizes = list(range(1, b + 1)) + [n for n in TREE_POINTS if b < n < top] + ([top] if top > b else [])
+    measured: dict[int, float] = {}
+    for n in sizes:
         ids = prompt[:, :n]
 
         def verify(ids: torch.Tensor = ids) -> None:
             target.forward(ids, cache, capture=drafter is not None)
             target.crop(cache, context)
 
-        times.append(timed(verify))
+        measured[n] = timed(verify)
+    times = _interpolate(_monotone(measured), top)
     draft_rel = 0.0
     if drafter is not None and feats is not None:
         from runtime.engine.dflash import DraftHead
@@ -149,6 +167,33 @@ def measure_costs(pipeline: Any, context: int = 96, reps: int = 3) -> VerifyCost
     return VerifyCosts(tuple(round(t / base, 4) for t in times), round(draft_rel, 4), base, round(max(spreads), 4))
 
 
+def _monotone(measured: dict[int, float]) -> dict[int, float]:
+    """Non-decreasing costs: each size takes the least time measured at it or any larger size. A
+    longer verify never costs less, and timing noise on a shared machine only ever adds time, so a
+    slow outlier is dropped rather than spread over its neighbours."""
+    out: dict[int, float] = {}
+    low = float("inf")
+    for n in sorted(measured, reverse=True):
+        low = min(low, measured[n])
+        out[n] = low
+    return dict(sorted(out.items()))
+
+
+def _interpolate(measured: dict[int, float], top: int) -> list[float]:
+    """Dense times for n = 1..top from timed sizes (linear between neighbours)."""
+    known = sorted(measured)
+    out = []
+    for n in range(1, top + 1):
+        if n in measured:
+            out.append(measured[n])
+            continue
+        lo = max(k for k in known if k < n)
+        hi = min(k for k in known if k > n)
+        w = (n - lo) / (hi - lo)
+        out.append(measured[lo] * (1 - w) + measured[hi] * w)
+    return out
+
+
 def cache_key(pipeline: Any) -> str:
     """Identity of a measurement: model, quantization scheme, target forward (lean or transformers),
     drafter shape, device, dtype, threads, torch version."""
@@ -165,13 +210,17 @@ def cache_key(pipeline: Any) -> str:
     return "|".join(parts)
 
 
-def cached_costs(pipeline: Any, cache_file: Path, remeasure: bool = False) -> VerifyCosts:
+def cached_costs(
+    pipeline: Any, cache_file: Path, remeasure: bool = False, max_tokens: int | None = None
+) -> VerifyCosts:
     """Costs from ``cache_file`` or measured now (and stored only when trustworthy).
 
     Args:
         pipeline: loaded pipeline.
         cache_file: JSON file holding earlier measurements.
         remeasure: ignore a stored measurement (it is still the reference a new one is checked against).
+        max_tokens: verify sizes needed (tree verification); a stored measurement that stops
+            short of it is measured again.
     """
     key = cache_key(pipeline)
     data: dict[str, Any] = {}
@@ -183,11 +232,11 @@ def cached_costs(pipeline: Any, cache_file: Path, remeasure: bool = False) -> Ve
     stored = _entry(data.get(key))
     if stored is not None and untrustworthy(stored) is not None:
         stored = None  # a poisoned entry (measured on a busy machine by an older dflash): measure again
-    if stored is not None and not remeasure:
+    if stored is not None and not remeasure and len(stored.verify) >= (max_tokens or 0):
         return stored
     attempts: list[VerifyCosts] = []
     for _ in range(ATTEMPTS):
-        costs = measure_costs(pipeline)
+        costs = measure_costs(pipeline, max_tokens=max_tokens)
         attempts.append(costs)
         if untrustworthy(costs, stored) is None:
             break

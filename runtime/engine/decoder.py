@@ -50,8 +50,9 @@ class Decoder(Protocol):
 class StatsRecorder:
     """Accumulates per-step acceptance (``AcceptanceCounter``) and timings into ``GenerationStats``."""
 
-    def __init__(self, prompt_tokens: int, block_size: int, decoder: str) -> None:
+    def __init__(self, prompt_tokens: int, block_size: int, decoder: str, tree_budget: int = 0) -> None:
         self.t0 = time.perf_counter()
+        self.tree_budget = tree_budget
         self.prompt_tokens = prompt_tokens
         self.block_size = block_size
         self.decoder = decoder
@@ -65,10 +66,12 @@ class StatsRecorder:
         self.ttft = seconds
         self.generated += committed
 
-    def step(self, drafted: int, accepted: int, committed: int, planned: int) -> None:
+    def step(self, drafted: int, accepted: int, committed: int, planned: int, depth: int | None = None) -> None:
         """Record one verify step: ``drafted`` proposals, ``accepted`` of them, ``committed`` new tokens;
-        ``planned`` is the verify length the policy chose (before the length limit cut it)."""
-        self.acceptance.record(drafted, accepted)
+        ``planned`` is the verify length the policy chose (before the length limit cut it). For a
+        draft tree, ``drafted`` counts its nodes, ``depth`` is its deepest level (the slots it tested)
+        and ``accepted`` the accepted depth."""
+        self.acceptance.record(drafted, accepted, depth=depth)
         self.generated += committed
         self.verify_length = planned
 
@@ -87,4 +90,5 @@ class StatsRecorder:
             block_size=self.block_size,
             verify_length=self.verify_length,
             decoder=self.decoder,
+            tree_budget=self.tree_budget,
         )

@@ -64,6 +64,10 @@ class DraftHead:
         best = torch.argmax(self.logits(hidden).float(), dim=-1)  # float: see sampling.sample
         return self.ids[best] if self.ids is not None else best
 
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft logits [K, V_d] over the draft vocabulary (column j is full id ``ids[j]``, or j)."""
+        return F.linear(hidden, self.weight, self.bias)
+
 
 class _Plain:
     """A weight/bias pair shaped like an ``nn.Linear`` for ``FusedLinear``."""
@@ -169,7 +173,21 @@ class DFlashDecoder:
         Returns:
             [k] draft ids on the target's device.
         """
-        assert self.drafter is not None and self.head is not None and d_cache is not None and pending is not None
+        assert self.head is not None
+        return self.head.argmax(self.draft_hidden(anchor, start, pending, d_cache)[1 : 1 + k])
+
+    def draft_hidden(
+        self, anchor: torch.Tensor, start: int, pending: torch.Tensor | None, d_cache: DraftKVCache | None
+    ) -> torch.Tensor:
+        """The drafter's final hidden states for the block [anchor, M, ..., M] at ``start``.
+
+        Args:
+            anchor: [1] the last committed token (on the device).
+
+        Returns:
+            [b, D]; row k (k >= 1) scores the token at position start + k (``DraftHead``).
+        """
+        assert self.drafter is not None and d_cache is not None and pending is not None
         b = self.block_size
         block_ids = self._block  # [1, b]: [anchor, M, ..., M], reused across steps
         block_ids[0, :1] = anchor
@@ -178,7 +196,7 @@ class DFlashDecoder:
         key_pos = self._positions[: start + b] if self._sliding else None
         hidden = self.drafter(self.target.embed(block_ids), ctx, positions, cache=d_cache, key_positions=key_pos)
         d_cache.crop(start)  # keep context entries only; the block never stays cached
-        return self.head.argmax(hidden[0, 1 : 1 + k])
+        return hidden[0]
 
     @torch.inference_mode()
     def _stream(self, prompt: list[int], params: SamplingParams, cancel: CancelToken | None) -> Iterator[DecodeEvent]:

@@ -77,6 +77,11 @@ class BlockVerified:
         tokens: newly committed tokens: the accepted drafts (ACCEPTED) then the target's own
             token (TARGET), possibly cut short by a stop token, a stop string or the length limit.
         seconds: wall time of this step (draft + verify), device-synchronised.
+        parents: empty for a chain; for a draft tree (``--tree-budget``), the parent of each
+            drafted node as an index into ``draft`` (-1: a child of the anchor, the last
+            committed token). ``draft`` then lists the tree's nodes best-first, parents first.
+        path: for a tree, the accepted nodes (indices into ``draft``) from the anchor down;
+            ``accepted == len(path)``. Empty for a chain (the accepted drafts lead ``draft``).
     """
 
     draft: tuple[int, ...]
@@ -84,18 +89,51 @@ class BlockVerified:
     accepted: int
     tokens: tuple[TokenEvent, ...]
     seconds: float
+    parents: tuple[int, ...] = ()
+    path: tuple[int, ...] = ()
 
     type: Literal["block"] = field(default="block", init=False)
 
     @property
+    def is_tree(self) -> bool:
+        """True when the step verified a draft tree."""
+        return bool(self.parents)
+
+    @property
+    def depth(self) -> int:
+        """Draft slots the step tested: the chain's length, or the tree's deepest level."""
+        if not self.parents:
+            return len(self.draft)
+        depths: list[int] = []
+        for p in self.parents:
+            depths.append(1 if p < 0 else depths[p] + 1)
+        return max(depths)
+
+    def _branches(self) -> list[list[int]]:
+        if not self.parents:
+            return [list(range(self.accepted, len(self.draft)))] if self.accepted < len(self.draft) else []
+        from runtime.engine.tree import losing_branches
+
+        return losing_branches(self.parents, self.path)
+
+    @property
     def rejected(self) -> tuple[int, ...]:
-        """Drafted ids the target rejected (display only)."""
-        return self.draft[self.accepted :]
+        """Drafted ids the target rejected along the drafter's best continuation (display only):
+        the chain's tail, or a tree's best-ranked branch below the last accepted node."""
+        branches = self._branches()
+        return tuple(self.draft[i] for i in branches[0]) if branches else ()
 
     @property
     def rejected_text(self) -> tuple[str, ...]:
-        """Display text of the rejected drafts."""
-        return self.draft_text[self.accepted :]
+        """Display text of the rejected drafts (see ``rejected``)."""
+        branches = self._branches()
+        return tuple(self.draft_text[i] for i in branches[0]) if branches else ()
+
+    @property
+    def losing_branches_text(self) -> tuple[str, ...]:
+        """Display text of every branch that lost where the walk stopped, best-ranked first
+        (one entry, the rejected tail, for a chain)."""
+        return tuple("".join(self.draft_text[i] for i in b) for b in self._branches())
 
     @property
     def text(self) -> str:
@@ -119,6 +157,9 @@ class GenerationStats:
         block_size: drafter block size (1 for plain decoding).
         verify_length: drafts verified per step (the last value used).
         decoder: "dflash" or "ar".
+        tree_budget: drafted nodes per verify with tree verification (0: chain). With a tree,
+            ``drafted_tokens`` counts tree nodes and the per-position statistics and histogram
+            count accepted depth.
     """
 
     prompt_tokens: int
@@ -131,6 +172,7 @@ class GenerationStats:
     block_size: int
     verify_length: int
     decoder: str
+    tree_budget: int = 0
 
     @property
     def verify_steps(self) -> int:
@@ -243,7 +285,8 @@ def event_to_json(event: DecodeEvent) -> dict[str, Any]:
 
     Lines have ``"type"`` in {"prefill", "block", "done"}; prefill and block carry ``"tokens"``
     as ``{"id", "text", "status"}``; block also carries ``"draft"``, ``"draft_text"``,
-    ``"accepted"`` and ``"rejected_text"``; done carries ``"reason"`` and ``"stats"``.
+    ``"accepted"`` and ``"rejected_text"`` (and, for a draft tree, ``"parents"`` and ``"path"``); done
+    carries ``"reason"`` and ``"stats"``.
     """
     if isinstance(event, PrefillDone):
         return {
@@ -253,7 +296,7 @@ def event_to_json(event: DecodeEvent) -> dict[str, Any]:
             "tokens": [t.to_json() for t in event.tokens],
         }
     if isinstance(event, BlockVerified):
-        return {
+        out: dict[str, Any] = {
             "type": "block",
             "draft": list(event.draft),
             "draft_text": list(event.draft_text),
@@ -262,6 +305,11 @@ def event_to_json(event: DecodeEvent) -> dict[str, Any]:
             "rejected_text": list(event.rejected_text),
             "seconds": event.seconds,
         }
+        if event.parents:  # a draft tree: node i of "draft" hangs under "parents"[i] (-1: the anchor)
+            out["parents"] = list(event.parents)
+            out["path"] = list(event.path)
+            out["draft_text"] = list(event.draft_text)
+        return out
     return {"type": "done", "reason": event.reason, "stats": event.stats.to_json()}
 
 
@@ -290,6 +338,8 @@ def event_from_json(d: Mapping[str, Any]) -> DecodeEvent:
             accepted=accepted,
             tokens=tokens,
             seconds=float(d.get("seconds", 0.0)),
+            parents=tuple(int(i) for i in d.get("parents", [])),  # a draft tree (empty for a chain)
+            path=tuple(int(i) for i in d.get("path", [])),
         )
     if kind == "done":
         reason = d.get("reason", "stop")

@@ -6,6 +6,8 @@ remove. ``crop_to`` hides the difference.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 
@@ -70,3 +72,43 @@ class DraftKVCache:
     def crop(self, keep: int) -> None:
         """Keep the first ``keep`` cached tokens of every layer."""
         self.lengths = [min(n, keep) for n in self.lengths]
+
+
+def keep_kv(cache: object, start: int, offsets: torch.Tensor | Sequence[int]) -> None:
+    """Keep entries [0, start) and then ``start + offsets`` (in that order) of a transformers cache.
+
+    Args:
+        cache: a ``DynamicCache`` (transformers 5.x ``layers`` or 4.x ``key_cache`` lists).
+        start: leading entries kept as they are.
+        offsets: entries after ``start`` to keep, in the order given.
+
+    Raises:
+        UnsupportedModelError: a layer that drops old entries (sliding window) cannot be compacted.
+    """
+    from runtime.errors import UnsupportedModelError
+
+    def pick(t: torch.Tensor) -> torch.Tensor:
+        # in place over the tree region, then a view: no copy of the whole cache per step
+        idx = torch.as_tensor(offsets, dtype=torch.long, device=t.device) + start
+        n = int(idx.numel())
+        with torch.no_grad():
+            t[..., start : start + n, :] = t.index_select(-2, idx)
+        return t[..., : start + n, :]
+
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        for layer in layers:
+            if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+                continue
+            if getattr(layer, "sliding_window", None):
+                raise UnsupportedModelError(
+                    "tree verification cannot compact a sliding-window KV cache; use --tree-budget 0"
+                )
+            layer.keys, layer.values = pick(layer.keys), pick(layer.values)
+        return
+    keys, values = getattr(cache, "key_cache", None), getattr(cache, "value_cache", None)
+    if keys is None or values is None:
+        raise UnsupportedModelError(f"cannot compact a {type(cache).__name__}; use --tree-budget 0")
+    for i, (k, v) in enumerate(zip(keys, values, strict=True)):
+        if k is not None and k.numel():
+            keys[i], values[i] = pick(k), pick(v)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from runtime.engine.kv_cache import cache_len, crop_to
+from runtime.engine.kv_cache import cache_len, crop_to, keep_kv
 from runtime.errors import UnsupportedModelError
 
 _LAYER_PATHS = (
@@ -152,16 +152,43 @@ class TargetModel:
         """Crop ``cache`` to ``keep`` tokens (version-portable)."""
         crop_to(cache, keep)
 
+    @staticmethod
+    def keep(cache: Any, start: int, offsets: torch.Tensor | Sequence[int]) -> None:
+        """Compact ``cache`` to entries [0, start) followed by ``start + offsets``, in that order.
+
+        After a tree verify the cache holds ``start`` committed entries plus one entry per tree
+        node; keeping the accepted path's nodes (``offsets`` = their node indices, the root 0
+        first) leaves ``start + len(offsets)`` entries, as if the path had been verified alone.
+
+        Args:
+            cache: KV cache holding at least ``start + max(offsets) + 1`` entries.
+            start: committed entries to keep as they are.
+            offsets: node indices (relative to ``start``) to keep, in order.
+
+        Raises:
+            UnsupportedModelError: a cache layer type that cannot be compacted (sliding window).
+        """
+        keep_kv(cache, start, offsets)
+
     def forward(
-        self, input_ids: torch.Tensor, cache: Any, logits_to_keep: int = 0, capture: bool = True
+        self,
+        input_ids: torch.Tensor,
+        cache: Any,
+        logits_to_keep: int = 0,
+        capture: bool = True,
+        positions: torch.Tensor | None = None,
+        tree_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One target forward that extends ``cache``.
 
         Args:
-            input_ids: [1, T] new tokens at positions cache_len .. cache_len + T - 1.
-            cache: KV cache, extended in place.
+            input_ids: [1, T] new tokens, by default at positions cache_len .. cache_len + T - 1.
+            cache: KV cache, extended in place (by T entries, in input order).
             logits_to_keep: 0 for logits at every position, else the last n positions.
             capture: return the tapped layer outputs.
+            positions: [T] (or [1, T]) absolute positions of the new tokens (a tree: start + depth).
+            tree_mask: [T, T] bool, ``tree_mask[i, j]`` True iff new token i may see new token j;
+                every new token also sees the whole cache. None: causal.
 
         Returns:
             logits [T', V] (float, T' = T or logits_to_keep) and features [1, T, n*D] (the taps
@@ -171,6 +198,10 @@ class TargetModel:
         kwargs: dict[str, Any] = {self._cache_kw: cache, "use_cache": True}
         if logits_to_keep and self._has_logits_to_keep:
             kwargs["logits_to_keep"] = logits_to_keep
+        if positions is not None:
+            kwargs["position_ids"] = positions.reshape(1, -1).to(device=input_ids.device, dtype=torch.long)
+        if tree_mask is not None:
+            kwargs["attention_mask"] = self._additive_mask(tree_mask, cache_len(cache), input_ids.device)
         out = self.model(input_ids=input_ids, **kwargs)
         logits = out.logits[0]
         if logits_to_keep:
@@ -180,3 +211,16 @@ class TargetModel:
             feats = torch.cat([self._captured[i] for i in self._taps], dim=-1)
         self._captured.clear()
         return logits, feats
+
+    def _additive_mask(self, tree_mask: torch.Tensor, past: int, device: torch.device) -> torch.Tensor:
+        """[1, 1, T, past + T] mask: transformers passes a 4D mask through as it is. SDPA takes it
+        as bool (True = visible, as transformers' own SDPA masks); eager attention adds a float mask
+        (0 visible, dtype min hidden)."""
+        t = int(tree_mask.shape[-1])
+        visible = torch.ones(t, past + t, dtype=torch.bool, device=device)
+        visible[:, past:] = tree_mask.to(device=device, dtype=torch.bool)
+        if getattr(self.config, "_attn_implementation", None) == "sdpa":
+            return visible[None, None]
+        mask = torch.zeros(t, past + t, dtype=self.dtype, device=device)
+        mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
+        return mask[None, None]

@@ -1,0 +1,270 @@
+"""DFlash with tree verification (DDTree): one drafter pass, a draft tree, one target verify.
+
+Per step: the drafter scores every slot of the block in one forward; a tree of up to B drafted
+nodes is built from those per-slot log-probabilities (``runtime.engine.tree``); the target
+verifies anchor + tree in ONE forward with an ancestor-only mask and positions start + depth; the
+walk follows the target's choice at each node (argmax, or its sample there: exact sampling); the
+target KV cache is compacted to the accepted path and only the accepted nodes' features become the
+drafter's next context. Tokens are exactly those of plain decoding (greedy) or an exact sample.
+
+Two host syncs per step: the slots' top candidates (the tree is built on the host) and the target's
+choices (the walk).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from runtime.config import ConfigError, SamplingParams
+from runtime.engine.decoder import CancelToken, StatsRecorder
+from runtime.engine.detok import TextAssembler, TokenizerLike
+from runtime.engine.dflash import DFlashDecoder, _sync
+from runtime.engine.drafter import DFlashDraftModel
+from runtime.engine.events import (
+    BlockVerified,
+    DecodeEvent,
+    Finished,
+    FinishReason,
+    PrefillDone,
+    TokenEvent,
+    TokenStatus,
+)
+from runtime.engine.guards import ensure_finite_logits
+from runtime.engine.kv_cache import DraftKVCache
+from runtime.engine.sampling import sample
+from runtime.engine.target import TargetModel
+from runtime.engine.tree import (
+    DraftTree,
+    ancestor_mask,
+    chain_tree,
+    choice_ranks,
+    slot_candidates,
+    tree_from_candidates,
+    walk,
+)
+from runtime.engine.tree_budget import RANKS, FixedTreeBudget, TreeBudgetPolicy
+from runtime.errors import InputError
+
+TREE_ATTENTION = ("sdpa", "eager")  # attention implementations that take a custom 4D mask
+
+
+def tree_attention_support(target: TargetModel) -> str | None:
+    """None when the target's attention takes the tree mask, else the implementation's name."""
+    impl = getattr(getattr(target, "config", None), "_attn_implementation", None)
+    return None if impl in (None, *TREE_ATTENTION) else str(impl)
+
+
+class TreeDecoder(DFlashDecoder):
+    """Speculative decoder that verifies a draft tree of ``tree_budget`` nodes per step.
+
+    Args:
+        target: the wrapped target model.
+        drafter: the drafter (required).
+        tokenizer: used for text deltas and stop strings (None: text is "").
+        block_size: drafter block length (default: the drafter's own); the tree is at most
+            block_size - 1 deep.
+        tree_budget: drafted nodes per verify (B >= 1; the verify forward holds B + 1 tokens), or a
+            policy choosing B per step (``AdaptiveTreeBudget``; B = 0 then means a chain step).
+        stop_token_ids: ids that end the generation.
+    """
+
+    name = "dflash"
+
+    def __init__(
+        self,
+        target: TargetModel,
+        drafter: DFlashDraftModel,
+        tokenizer: TokenizerLike | None = None,
+        *,
+        block_size: int | None = None,
+        tree_budget: int | TreeBudgetPolicy = 8,
+        stop_token_ids: Sequence[int] = (),
+    ) -> None:
+        if isinstance(tree_budget, int):
+            if tree_budget < 1:
+                raise ConfigError(f"tree budget must be >= 1 (0 means the chain decoder), got {tree_budget}")
+            tree_budget = FixedTreeBudget(tree_budget)
+        if drafter is None:
+            raise ConfigError("tree verification needs a drafter")
+        impl = tree_attention_support(target)
+        if impl is not None:
+            raise ConfigError(
+                f"tree verification needs a custom attention mask, which {impl} attention does not take; "
+                "load the target with sdpa or eager attention, or use --tree-budget 0"
+            )
+        super().__init__(target, drafter, tokenizer, block_size=block_size, stop_token_ids=stop_token_ids)
+        if self.block_size < 2:
+            raise ConfigError("tree verification needs a block size >= 2")
+        self.policy: TreeBudgetPolicy = tree_budget
+
+    @property
+    def tree_budget(self) -> int:
+        """Tree nodes of the next step (0: a chain step chosen by an adaptive policy)."""
+        return self.policy.budget()
+
+    def draft_logprobs(
+        self,
+        anchor: int,
+        start: int,
+        depth: int,
+        pending: torch.Tensor | None,
+        d_cache: DraftKVCache | None,
+        committed: Sequence[int],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per-slot draft log-probabilities for slots 1..depth, from one drafter forward.
+
+        Args:
+            anchor, start, pending, d_cache: as in ``DFlashDecoder.propose``.
+            depth: slots wanted (<= block_size - 1).
+            committed: prompt + committed ids (unused here; oracle drafters in tests use it).
+
+        Returns:
+            ([depth, V_d] float log-probabilities, [V_d] full ids of the columns or None).
+        """
+        assert self.head is not None
+        hidden = self.draft_hidden(anchor, start, pending, d_cache)[1 : 1 + depth]  # [depth, D]
+        return torch.log_softmax(self.head.logits(hidden).float(), dim=-1), self.head.ids
+
+    def _texts(self, ids: Sequence[int], asm: TextAssembler) -> tuple[str, ...]:
+        """Display text of each drafted id, decoded on its own (one tokenizer call for the tree)."""
+        tok = self.tokenizer
+        if tok is None or not ids:
+            return ("",) * len(ids)
+        batch = getattr(tok, "batch_decode", None)
+        if batch is None:
+            return tuple(asm.decode_one(t) for t in ids)
+        return tuple(str(t) for t in batch([[int(t)] for t in ids], skip_special_tokens=False))
+
+    @torch.inference_mode()
+    def _stream(self, prompt: list[int], params: SamplingParams, cancel: CancelToken | None) -> Iterator[DecodeEvent]:
+        target, device = self.target, self.target.device
+        n_prompt = len(prompt)
+        if n_prompt == 0:
+            raise InputError("the prompt is empty; give some text (or --prompt-ids)")
+        limit = target.max_positions
+        if limit is not None and n_prompt >= limit:
+            raise InputError(f"the prompt has {n_prompt} tokens but the target's context is {limit} tokens; shorten it")
+        if any(not (0 <= t < target.vocab_size) for t in prompt):
+            raise InputError(f"prompt ids must be in [0, {target.vocab_size}), got {max(prompt)}")
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.stop_token_ids)
+        gen = None if params.greedy else torch.Generator(device=device).manual_seed(params.seed)
+        asm = TextAssembler(self.tokenizer, params.stop_strings, context_ids=prompt)
+        rec = StatsRecorder(n_prompt, self.block_size, "dflash", tree_budget=self.policy.budget())
+        max_new = params.max_new_tokens
+        if limit is not None:
+            max_new = min(max_new, limit - n_prompt)
+
+        def commit(ids: Sequence[int], statuses: Sequence[TokenStatus], last: bool):  # type: ignore[no-untyped-def]
+            events: list[TokenEvent] = []
+            reason: FinishReason | None = None
+            for tok, status in zip(ids, statuses, strict=True):
+                if tok in stop_ids:
+                    events.append(TokenEvent(tok, "", status))
+                    reason = "stop"
+                    break
+                text, hit = asm.push(tok)
+                events.append(TokenEvent(tok, text, status))
+                if hit:
+                    reason = "stop"
+                    break
+            if reason is None and last:
+                reason = "length"
+            if reason is not None and events:
+                tail = asm.finish()
+                if tail:
+                    e = events[-1]
+                    events[-1] = TokenEvent(e.token_id, e.text + tail, e.status)
+            return events, reason
+
+        # 1. Prefill: target on the prompt, capture features of every position, first token.
+        room = n_prompt + max_new + max(self.block_size, self.policy.budget(), 64) + 2  # slots a request can reach
+        t_cache = target.new_cache(capacity=room)
+        self._block = torch.full((1, self.block_size), self.mask_id, dtype=torch.long, device=device)
+        self._positions = torch.arange(room + self.block_size, device=device)
+        ids = torch.tensor([prompt], dtype=torch.long, device=device)  # [1, P]
+        logits, feats = target.forward(ids, t_cache, logits_to_keep=1, capture=True)
+        ensure_finite_logits(logits[-1:], target)  # garbage weights: exit 4 naming the folder
+        first = int(sample(logits[-1:], params, gen).item())
+        _sync(device)
+        ttft = time.perf_counter() - rec.t0
+        events, reason = commit([first], [TokenStatus.TARGET], last=max_new <= 1)
+        rec.prefill(ttft, len(events))
+        yield PrefillDone(prompt_tokens=n_prompt, seconds=ttft, tokens=tuple(events))
+
+        assert self.drafter is not None
+        d_cache = DraftKVCache(len(self.drafter.layers), capacity=room)
+        committed = list(prompt) + [first]
+        pending = feats  # [1, C, n*D] target features not yet in the drafter cache
+        start, anchor = n_prompt, first
+        while reason is None:
+            if cancel is not None and cancel.cancelled:
+                reason = "cancelled"
+                break
+            t_step = time.perf_counter()
+            depth = min(self.block_size - 1, max_new - rec.generated - 1)
+            if limit is not None:
+                depth = min(depth, limit - start - 1)
+            depth = max(depth, 0)
+
+            budget = self.policy.budget()
+            planned = self.block_size - 1  # slots a tree may reach (the stats' verify length)
+            if budget == 0:  # the policy chose a chain of K argmax drafts for this step
+                planned = min(planned, self.policy.chain_length())
+                depth = min(depth, planned)
+
+            # 2. Draft: one drafter forward, then a best-first tree of up to B nodes (one host sync).
+            tree = DraftTree((anchor,), (-1,), (0,), (-1,))
+            if depth > 0:
+                logprobs, vocab_ids = self.draft_logprobs(anchor, start, depth, pending, d_cache, committed)
+                vals, toks = slot_candidates(logprobs, max(budget, RANKS), vocab_ids)  # [depth][w]
+                if budget > 0:
+                    tree = tree_from_candidates(vals, toks, anchor, budget)
+                else:
+                    tree = chain_tree(anchor, [row[0] for row in toks], toks)
+                pending = pending[:, :0] if pending is not None else None
+
+            # 3. Verify: one target forward over the tree, ancestor-only mask, positions start + depth.
+            n = len(tree)
+            tree_ids = torch.tensor([tree.tokens], dtype=torch.long, device=device)  # [1, N]
+            if budget > 0 and n > 1:
+                positions = torch.tensor(tree.depths, dtype=torch.long, device=device) + start  # [N]
+                mask = ancestor_mask(tree.parents, device)  # [N, N]
+                logits, feats = target.forward(tree_ids, t_cache, positions=positions, tree_mask=mask)
+            else:  # a chain: the plain causal verify
+                logits, feats = target.forward(tree_ids, t_cache)
+            choices = sample(logits, params, gen).tolist()  # [N] the target's choice at every node
+
+            # 4. Walk the target's choices down the tree; commit the path and the target's next token.
+            path = walk(tree, choices)  # node indices, root first
+            a = len(path) - 1
+            bonus = choices[path[-1]]
+            new_ids = [tree.tokens[i] for i in path[1:]] + [bonus]
+            statuses = [TokenStatus.ACCEPTED] * a + [TokenStatus.TARGET]
+            events, reason = commit(new_ids, statuses, last=rec.generated + a + 1 >= max_new)
+
+            # 5. Compact the target cache to the accepted path; its features are the drafter's next context.
+            target.keep(t_cache, start, path)
+            start += len(path)
+            if feats is not None:
+                path_feats = feats[:, path]  # [1, a + 1, n*D]
+                pending = torch.cat([pending, path_feats], dim=1) if pending is not None else path_feats
+            anchor = bonus
+            committed.extend(new_ids)
+            self.policy.observe(choice_ranks(tree, path, choices))
+            rec.tree_budget = budget
+            rec.step(drafted=n - 1, accepted=a, committed=len(events), planned=planned, depth=tree.max_depth)
+            draft = tree.tokens[1:]
+            draft_text = self._texts(draft, asm)
+            yield BlockVerified(
+                draft=draft,
+                draft_text=draft_text,
+                accepted=a,
+                tokens=tuple(events),
+                seconds=time.perf_counter() - t_step,
+                parents=tuple(p - 1 for p in tree.parents[1:]),
+                path=tuple(i - 1 for i in path[1:]),
+            )
+        yield Finished(reason=reason, stats=rec.finish())
