@@ -84,6 +84,7 @@ class DFlashConfig:
         if any(i < 0 for i in self.target_layer_ids):
             raise ConfigError(f"target_layer_ids must be >= 0, got {list(self.target_layer_ids)}")
 
+
 ENGINES = ("auto", "lean", "hf")
 
 

@@ -262,7 +262,9 @@ def _eval_only(
 
         taps = raw.get("dflash_config", {}).get("target_layer_ids") or raw.get("target_layer_ids")
         prepare_eval_data(pipe.target, pipe.tokenizer, out / "eval-data" / "ood", taps, pipe.stop_token_ids)
-    evaluation = _evaluate(pipe, session, out, eval_prompts, eval_tokens, say, Path(data_dir) if data_dir else None, ood_eval)
+    evaluation = _evaluate(
+        pipe, session, out, eval_prompts, eval_tokens, say, Path(data_dir) if data_dir else None, ood_eval
+    )
     cfg = dict(blob["config"])
     cfg["betas"] = tuple(cfg["betas"])
     assert pipe.drafter is not None  # _evaluate loaded the checkpoint

@@ -206,7 +206,16 @@ def cache_key(pipeline: Any) -> str:
     )
     quant = d.get("quantization") or "none"
     engine = "lean" if type(pipeline.target).__name__ == "LeanTarget" else "hf"
-    parts = [d["target"], quant, engine, shape, d["device"], d["dtype"], str(torch.get_num_threads()), torch.__version__]
+    parts = [
+        d["target"],
+        quant,
+        engine,
+        shape,
+        d["device"],
+        d["dtype"],
+        str(torch.get_num_threads()),
+        torch.__version__,
+    ]
     return "|".join(parts)
 
 

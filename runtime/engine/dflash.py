@@ -54,7 +54,8 @@ class DraftHead:
         self._packed = FusedLinear([_Plain(weight, bias)], pack=True) if pack else None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Draft logits for hidden states [K, D] -> [K, V_d] (over the reduced vocabulary if any)."""
+        """Draft logits for hidden states [K, D] -> [K, V_d] over the draft vocabulary (column j is full
+        id ``ids[j]``, or j without a reduced vocabulary)."""
         if self._packed is not None:
             return self._packed(hidden)[0]
         return F.linear(hidden, self.weight, self.bias)
@@ -63,10 +64,6 @@ class DraftHead:
         """Greedy draft ids for hidden states [K, D] -> [K] (ids in the full vocabulary)."""
         best = torch.argmax(self.logits(hidden).float(), dim=-1)  # float: see sampling.sample
         return self.ids[best] if self.ids is not None else best
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Draft logits [K, V_d] over the draft vocabulary (column j is full id ``ids[j]``, or j)."""
-        return F.linear(hidden, self.weight, self.bias)
 
 
 class _Plain:
