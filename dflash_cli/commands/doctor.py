@@ -57,9 +57,10 @@ def doctor(
         from dataclasses import replace
 
         from runtime.bench.probe import measure_speed, save_result
+        from runtime.pipeline import Pipeline
         from runtime.session import open_pipeline
 
-        def load_with(scheme: str | None):  # type: ignore[no-untyped-def]
+        def load_with(scheme: str | None) -> Pipeline:
             return open_pipeline(replace(opts, quantize=scheme))
 
         save_result(measure_speed(load_with, progress=lambda m: print(m, file=sys.stderr)), speed_file)

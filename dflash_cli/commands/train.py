@@ -419,7 +419,7 @@ def _in_distribution_prompts(data_dir: Path | None, n: int) -> tuple[str, list[A
     return "the generator's prompts in the dataset's held-out shard (never trained on)", out
 
 
-def _teacher_forced(pipe: Any, out: Path, sets: dict[str, Path]) -> dict[str, Any]:
+def _teacher_forced(pipe: Any, out: Path, sets: dict[str, Path | None]) -> dict[str, Any]:
     """Top-k coverage per slot, OOV share and teacher-forced tau of the checkpoint on datasets of
     target answers (the validation shard, the OOD answers)."""
     from runtime.engine.drafter import load_draft_model

@@ -145,8 +145,9 @@ class DFlashServer:
     def _model_card(self, name: str) -> dict[str, Any]:
         details = {k: v for k, v in self.backend.describe().items() if not k.endswith("_dir")}
         for key in ("target", "drafter"):  # names only: a local folder is shown by its name, never its path
-            if isinstance(details.get(key), str):
-                details[key] = _public_name(details[key])
+            value = details.get(key)
+            if isinstance(value, str):
+                details[key] = _public_name(value)
         caps = self.backend.capabilities
         details["chat_template"] = caps.chat_template
         details["tokenizer"] = caps.tokenizer  # False: token ids, no text

@@ -174,12 +174,12 @@ class DFlashDecoder:
         return self.head.argmax(self.draft_hidden(anchor, start, pending, d_cache)[1 : 1 + k])
 
     def draft_hidden(
-        self, anchor: torch.Tensor, start: int, pending: torch.Tensor | None, d_cache: DraftKVCache | None
+        self, anchor: torch.Tensor | int, start: int, pending: torch.Tensor | None, d_cache: DraftKVCache | None
     ) -> torch.Tensor:
         """The drafter's final hidden states for the block [anchor, M, ..., M] at ``start``.
 
         Args:
-            anchor: [1] the last committed token (on the device).
+            anchor: [1] the last committed token (on the device), or its id.
 
         Returns:
             [b, D]; row k (k >= 1) scores the token at position start + k (``DraftHead``).

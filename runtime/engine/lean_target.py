@@ -34,7 +34,7 @@ _FAMILIES = ("llama", "qwen2", "qwen3")
 
 def lean_supported(model: nn.Module) -> str | None:
     """Why ``LeanTarget`` cannot run ``model`` (None when it can)."""
-    cfg = model.config
+    cfg: Any = model.config
     kind = getattr(cfg, "model_type", None)
     if kind not in _FAMILIES:
         return f"model type {kind!r} is not one of {', '.join(_FAMILIES)}"
@@ -122,7 +122,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class _Layer:
     """One decoder layer's weights, read from the transformers module."""
 
-    def __init__(self, layer: nn.Module, pack: bool) -> None:
+    def __init__(self, layer: Any, pack: bool) -> None:
+        # a transformers decoder layer (dynamic attributes: typed Any)
         attn, mlp = layer.self_attn, layer.mlp
         self.qkv = FusedLinear([attn.q_proj, attn.k_proj, attn.v_proj], pack)
         self.o = FusedLinear([attn.o_proj], pack)
@@ -159,10 +160,10 @@ class LeanTarget(TargetModel):
         self.packed = pack
         self.n_heads = int(cfg.num_attention_heads)
         self.n_kv = int(getattr(cfg, "num_key_value_heads", None) or self.n_heads)
-        attn0 = self.layers[0].self_attn
+        attn0: Any = self.layers[0].self_attn
         self.head_dim = int(attn0.head_dim)
         self.lean_layers = [_Layer(layer, pack) for layer in self.layers]
-        inner = model.model  # type: ignore[attr-defined]
+        inner: Any = model.model
         self.final_norm = inner.norm.weight
         self.final_eps = float(inner.norm.variance_epsilon)
         self.rotary = inner.rotary_emb
@@ -171,7 +172,7 @@ class LeanTarget(TargetModel):
         self._sin = torch.empty(0)
 
     # -- caches --------------------------------------------------------------------------------
-    def new_cache(self, capacity: int = 512) -> StaticKVCache:  # type: ignore[override]
+    def new_cache(self, capacity: int = 512) -> StaticKVCache:
         """An empty static cache with room for ``capacity`` tokens (it grows when needed)."""
         return StaticKVCache(self.num_layers, self.n_kv, self.head_dim, capacity, self.dtype, self.device)
 

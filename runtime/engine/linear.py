@@ -12,6 +12,7 @@ oneDNN bf16) the modules are called as they are.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,8 +30,8 @@ class FusedLinear:
         pack: pack for oneDNN (see ``can_pack``); ignored for weights that are not plain tensors.
     """
 
-    def __init__(self, modules: Sequence[nn.Module], pack: bool) -> None:
-        self.modules = list(modules)
+    def __init__(self, modules: Sequence[Any], pack: bool) -> None:
+        self.modules: list[Any] = list(modules)  # nn.Linear or anything with .weight/.bias and a call
         weights = [m.weight for m in self.modules]
         biases = [getattr(m, "bias", None) for m in self.modules]
         self.sizes = [int(w.shape[0]) for w in weights]
@@ -52,7 +53,7 @@ class FusedLinear:
     @staticmethod
     def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
         """True where packed oneDNN GEMMs run: a CPU with oneDNN bf16 support, bf16 weights."""
-        if device.type != "cpu" or dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+        if device.type != "cpu" or dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
             return False
         try:
             return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())

@@ -157,8 +157,9 @@ def init_from_target(
     n_d = len(drafter.layers)
     ids = list(layer_ids) if layer_ids is not None else list(range(len(src_layers) - n_d, len(src_layers)))
     report: dict[str, Any] = {"source_layers": ids, "copied": [], "pruned": [], "skipped": [], "notes": []}
+    dst: Any
     for i, (dst, li) in enumerate(zip(drafter.layers, ids, strict=True)):
-        src = src_layers[li]
+        src: Any = src_layers[li]
         pairs = {
             "self_attn.q_proj": src.self_attn.q_proj,
             "self_attn.k_proj": src.self_attn.k_proj,

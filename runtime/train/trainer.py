@@ -198,7 +198,7 @@ def build_batch(
     b = block_size
     picked = []
     use_soft = soft is not None and all(x is not None for x in soft)
-    soft_picked = []
+    soft_picked: list[tuple[torch.Tensor, torch.Tensor]] = []
     for si, (tokens, feats, plen) in enumerate(seqs):
         t = tokens.numel()
         lo = max(plen, 1)
@@ -208,7 +208,9 @@ def build_batch(
         chosen = sorted(rng.sample(cands, min(anchors, len(cands))))
         picked.append((tokens, feats, chosen))
         if use_soft:
-            soft_picked.append(soft[si])  # type: ignore[index]
+            entry = soft[si] if soft is not None else None
+            assert entry is not None  # use_soft: every sequence has its top-k
+            soft_picked.append(entry)
     if not picked:
         return None
     n, a_max = len(picked), max(len(c) for _, _, c in picked)
@@ -399,7 +401,7 @@ class Trainer:
             rank = (logits > lab_logit).sum(-1)
             rank = torch.where(target >= 0, rank, torch.full_like(rank, 1 << 30)).view(n, a, self.block - 1)
             oov = (target.view(n, a, self.block - 1) < 0) & present
-        out = {"correct": correct.cpu(), "present": present.cpu(), "rank": rank.cpu(), "oov": oov.cpu()}
+        out: dict[str, Any] = {"correct": correct.cpu(), "present": present.cpu(), "rank": rank.cpu(), "oov": oov.cpu()}
         out["hard"] = float(hard.detach())
         if soft is not None and kl is not None:
             out["soft"], out["kl"] = float(soft.detach()), float(kl.detach())
