@@ -1,6 +1,7 @@
 """Shared CLI plumbing: options, environment, prompt input, error reporting.
 
 Only the CLI reads environment variables:
+  DFLASH_ENGINE    the target forward: auto (default), lean or hf (same as --engine on run/bench)
   DFLASH_HOME      dflash's data root (default: the platform user cache dir, e.g. ~/.cache/dflash)
   DFLASH_DEBUG=1   show full tracebacks instead of one-line errors
   HF_HUB_OFFLINE=1 never use the network (same as --offline); HF_HOME / HF_TOKEN as in huggingface_hub
@@ -75,6 +76,14 @@ QuantizeOpt = Annotated[
     ),
 ]
 ThreadsOpt = Annotated[int | None, typer.Option("--threads", help="CPU threads for torch.")]
+EngineOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--engine",
+        help="Target forward: lean (static KV cache, packed weights; Llama/Qwen2/Qwen3), hf (transformers) "
+        "or auto (lean where supported; also DFLASH_ENGINE).",
+    ),
+]
 MaxTokensOpt = Annotated[int, typer.Option("--max-tokens", "-n", help="Maximum new tokens.")]
 TemperatureOpt = Annotated[float, typer.Option("--temperature", "-t", help="0 = greedy.")]
 TopPOpt = Annotated[float | None, typer.Option("--top-p", help="Nucleus sampling threshold.")]
@@ -181,6 +190,7 @@ def session_options(
     threads: int | None = None,
     server: str | None = None,
     decode: DecodeOptions | None = None,
+    engine: str | None = None,
 ) -> SessionOptions:
     """The runtime's ``SessionOptions`` from the shared flags and the environment (the one place
     where the CLI turns options into what ``runtime.session.open_backend`` takes).
@@ -201,6 +211,7 @@ def session_options(
         device=device,
         dtype=dtype.value if isinstance(dtype, Enum) else dtype,
         threads=threads,
+        engine=engine or os.environ.get("DFLASH_ENGINE", "auto"),
         offline=offline or env_offline(),
         revision=revision,
         quantize=quantize,

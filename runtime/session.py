@@ -31,7 +31,8 @@ class SessionOptions:
 
     Attributes:
         model, target, drafter: what the user named (see ``ModelRef``; all None: the embedded pair).
-        device, dtype, threads: where the models run (see ``RuntimeConfig``).
+        device, dtype, threads, engine: where and with which target forward the models run (see
+            ``RuntimeConfig``).
         offline, revision, quantize: how models are found and loaded (see ``LoadOptions``).
         models_dir: dflash's own model folder (the embedded target is converted there).
         hf_cache_dir, hf_token: Hugging Face cache folder and token (None: huggingface_hub's defaults).
@@ -48,6 +49,7 @@ class SessionOptions:
     device: str = "auto"
     dtype: str = "auto"
     threads: int | None = None
+    engine: str = "auto"
     offline: bool = False
     revision: str | None = None
     quantize: str | None = None
@@ -73,7 +75,7 @@ class SessionOptions:
     @property
     def runtime(self) -> RuntimeConfig:
         """Device, dtype and threads."""
-        return RuntimeConfig(device=self.device, dtype=self.dtype, threads=self.threads)
+        return RuntimeConfig(device=self.device, dtype=self.dtype, threads=self.threads, engine=self.engine)
 
     @property
     def load(self) -> LoadOptions:

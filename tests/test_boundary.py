@@ -39,7 +39,7 @@ def test_runtime_sources_never_mention_ui_imports():
 
 
 # -- the import graph between layers ---------------------------------------------------------------
-# core: frozen configs and errors; engine: the decode loop and its parts (runtime/engine); features:
+# core: frozen configs, errors and text decoding rules; engine: the decode loop and its parts (runtime/engine); features:
 # everything else in runtime/ (model resolution and loading, bench, quantize, train, the remote
 # client, doctor, the Backend protocol, sessions); then the two front ends.
 ROOT = Path(runtime.__file__).parent.parent
@@ -65,7 +65,7 @@ def layer(module: str) -> str | None:
         return None
     if len(parts) == 1:
         return "api"  # runtime/__init__.py: the re-exports front ends use
-    if parts[1] in ("config", "errors"):
+    if parts[1] in ("config", "errors", "textio"):  # textio: UTF-8 rules for text in, beside errors
         return "core"
     if parts[1] == "engine":
         return "engine"

@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 from dflash_cli.app import app
 from runtime import DecodeOptions, LoadOptions, ModelRef, RuntimeConfig, SamplingParams, load_pipeline
 from runtime.engine import AutoregressiveDecoder, DFlashDecoder
+from runtime.engine.acceptance import AcceptanceCounter
 from runtime.engine.calibrate import VerifyCosts, measure_costs
 from runtime.engine.events import BlockVerified, Finished, PrefillDone, TokenEvent, TokenStatus
 from runtime.engine.target import TargetModel
@@ -174,7 +175,9 @@ def test_serve_takes_tree_budget_per_request(server, pipe):
     )
     assert resp["choices"][0]["text"] == want
     status, resp = post(server.url + "/v1/completions", {**body, "dflash": {"tree_budget": -1}})
-    assert status == 400 and "tree budget" in resp["error"]["message"]
+    assert status == 400 and "tree_budget" in resp["error"]["message"]
+    status, resp = post(server.url + "/v1/completions", {**body, "dflash": {"tree_budget": 100000}})
+    assert status == 400 and "tree_budget" in resp["error"]["message"]  # capped: one request cannot stall a step
     status, resp = post(server.url + "/v1/completions", {**body, "dflash": {"tree_budget": "big"}})
     assert status == 400 and "tree_budget" in resp["error"]["message"]
 
@@ -203,7 +206,10 @@ def tree_events():
         parents=(-1, 0, -1, 2),
         path=(),
     )
-    stats = make_stats(generated_tokens=4, verify_steps=2, drafted_tokens=8, accepted_tokens=1, tree_budget=4)
+    counter = AcceptanceCounter(slots=2)
+    counter.record(4, 1, depth=2)  # the two steps above: a tree of 4 nodes, depth 2, one accepted
+    counter.record(4, 0, depth=2)
+    stats = make_stats(generated_tokens=4, acceptance=counter.counts(), tree_budget=4)
     return [first, step, lost, Finished("length", stats)]
 
 
@@ -235,9 +241,10 @@ def test_tui_stats_count_tree_depth_not_nodes():
     tracker = GenerationTracker(slots=3)
     for e in tree_events()[:-1]:
         tracker.update(e)
-    assert tracker.drafted == 8 and tracker.accepted == 1 and tracker.steps == 2
-    assert tracker.pos_tried[:2] == [2, 2] and tracker.pos_ok[:2] == [1, 0]
-    assert tracker.hist[:2] == [1, 1]
+    c = tracker.counts
+    assert c.drafted == 8 and c.accepted == 1 and c.steps == 2
+    assert list(c.slot_tried[:2]) == [2, 2] and list(c.slot_accepted[:2]) == [1, 0]
+    assert list(c.histogram[:2]) == [1, 1]
     assert replace(make_stats(), tree_budget=3).tree_budget == 3
 
 

@@ -90,7 +90,7 @@ def fake_measure(monkeypatch):
     script: list[VerifyCosts] = []
     calls = []
 
-    def measure(_pipe):
+    def measure(_pipe, **_kw):
         calls.append(1)
         return script.pop(0) if len(script) > 1 else script[0]
 

@@ -22,6 +22,7 @@ from ..common import (
     DrafterOpt,
     DtypeChoice,
     DtypeOpt,
+    EngineOpt,
     ModelOpt,
     OfflineOpt,
     QuantizeOpt,
@@ -155,6 +156,7 @@ def bench(
     revision: RevisionOpt = None,
     quantize: QuantizeOpt = None,
     threads: ThreadsOpt = None,
+    engine: EngineOpt = None,
     server: ServerOpt = None,
 ) -> None:
     """Run a prompt set through ar, hf, pld, assisted and dflash on the same target; compare speed."""
@@ -218,7 +220,9 @@ def bench(
     else:
         from runtime.bench.runner import load_assistant, run_bench
 
-        session = session_options(model, target, drafter, device, dtype, offline, revision, quantize, threads)
+        session = session_options(
+            model, target, drafter, device, dtype, offline, revision, quantize, threads, engine=engine
+        )
         pipe = open_pipeline(session)
         warn_block_size(pipe, sizes)
         if not method_list and pipe.drafter is None:

@@ -22,6 +22,7 @@ from ..common import (
     DrafterOpt,
     DtypeChoice,
     DtypeOpt,
+    EngineOpt,
     MaxTokensOpt,
     ModelOpt,
     OfflineOpt,
@@ -109,6 +110,7 @@ def run(
     revision: RevisionOpt = None,
     quantize: QuantizeOpt = None,
     threads: ThreadsOpt = None,
+    engine: EngineOpt = None,
     server: ServerOpt = None,
 ) -> None:
     """Complete a prompt and stream the text to stdout (for pipes and scripts)."""
@@ -137,7 +139,9 @@ def run(
     cancel = CancelToken()
     # a remote OpenAI-compatible server (--server) or the local pair: same events, same rendering
     backend = open_backend(
-        session_options(model, target, drafter, device, dtype, offline, revision, quantize, threads, server, opts)
+        session_options(
+            model, target, drafter, device, dtype, offline, revision, quantize, threads, server, opts, engine
+        )
     )
     if not server:
         warn_block_size(backend, block_size)  # above the drafter's trained block: slower, says so on stderr

@@ -229,6 +229,7 @@ class GenerationStats:
             "acceptance_histogram": list(self.acceptance_histogram),
             "block_size": self.block_size,
             "verify_length": self.verify_length,
+            "tree_budget": self.tree_budget,
             "decoder": self.decoder,
             "acceptance": self.acceptance.to_json(),
         }
@@ -257,6 +258,7 @@ class GenerationStats:
             block_size=int(d.get("block_size") or 1),
             verify_length=int(d.get("verify_length") or 0),
             decoder=str(d.get("decoder") or "dflash"),
+            tree_budget=int(d.get("tree_budget") or 0),
         )
 
 
