@@ -92,9 +92,8 @@ def dflash_rows(args: argparse.Namespace, prompt_texts: list[str]) -> list[dict[
     torch.set_num_threads(args.threads)
     rows = []
     params = SamplingParams(max_new_tokens=args.max_tokens)
-    engines = ["lean", "hf"] if args.with_hf else ["lean"]
     for quant in args.quantize:
-        for engine in engines:
+        for engine in ["lean", "hf"] if args.with_hf and quant == "none" else ["lean"]:
             ref = ModelRef(target=args.target, drafter=args.drafter) if args.target else ModelRef()
             opts = LoadOptions(quantize=None if quant == "none" else quant, offline=True)
             if args.models_dir:
@@ -123,7 +122,7 @@ def dflash_rows(args: argparse.Namespace, prompt_texts: list[str]) -> list[dict[
                     outs.append(toks)
                     speeds.append(st.decode_tokens_per_second)
                     taus.append(st.tau)
-                    verify = st.verify_length
+                    verify = f"tree {st.tree_budget}" if st.tree_budget else st.verify_length
                     steps += st.verify_steps
                     committed += st.tau * st.verify_steps
                 outputs[method] = outs
@@ -150,7 +149,7 @@ def main() -> None:
     ap.add_argument("-n", "--max-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quantize", default="none,int4", help="comma list of none,int8,int4 (default none,int4)")
-    ap.add_argument("--with-hf", action="store_true", help="also transformers' forward (the step before)")
+    ap.add_argument("--with-hf", action="store_true", help="also transformers' forward on bf16 (the step before)")
     ap.add_argument("--target")
     ap.add_argument("--drafter")
     ap.add_argument("--models-dir")
@@ -170,7 +169,7 @@ def main() -> None:
     if args.llama_server:
         rows += llama_rows(args, prompts)
     rows += dflash_rows(args, prompts)
-    print("| engine | weights | method | median decode tok/s | min-max | tau | verify | = ar |")
+    print("| engine | weights | method | median decode tok/s | min-max | tau | verify / tree | = ar |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         s = r["tok_s"]
