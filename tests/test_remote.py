@@ -41,6 +41,18 @@ SGL_SPEC = {
 }
 
 
+# llama-server's final-chunk timings: 2 tokens in 40 ms (50 tok/s), ngram drafts 6, accepted 1
+LLAMA_TIMINGS = {
+    "prompt_n": 7,
+    "prompt_ms": 70.0,
+    "predicted_n": 2,
+    "predicted_ms": 40.0,
+    "predicted_per_second": 50.0,
+    "draft_n": 6,
+    "draft_n_accepted": 1,
+}
+
+
 class FakeEngine:
     """An OpenAI-compatible fake that streams "Hel" + "lo" and records what it was sent."""
 
@@ -103,7 +115,10 @@ class FakeEngine:
                 yield {"error": {"message": "engine died", "type": "InternalServerError"}}
                 return
             yield {"choices": [choice("lo")]}
-            yield {"choices": [choice(None, "stop")]}
+            last = {"choices": [choice(None, "stop")]}
+            if self.owner == "llamacpp":  # llama-server: its own timings on the final chunk
+                last["timings"] = LLAMA_TIMINGS
+            yield last
             if self.owner == "sglang":
                 yield {"choices": [], "sglext": {"spec_tokens_details": SGL_SPEC}}
             usage = {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}}
@@ -228,3 +243,15 @@ def test_failures_are_one_line_errors():
 def test_parse_prometheus_sums_label_sets():
     text = 'a_total{x="1"} 2\na_total{x="2"} 3\n# HELP b\nb_total 1\nc{position="0"} 4\n'
     assert parse_prometheus(text, ("a_total", "c")) == {"a_total": 5.0, "c[0]": 4.0}
+
+
+def test_llamacpp_timings_give_its_own_decode_speed_and_acceptance():
+    """llama-server's ``timings`` (measured in the server) replace client-side clocks; its draft
+    counts give the acceptance of its speculative modes (steps = generated - accepted - 1)."""
+    fake = FakeEngine("llamacpp")
+    with ThreadServer(fake.app) as srv:
+        events = run_events(RemoteBackend(srv.url + "/v1/"))
+    s = events[-1].stats
+    assert s.decoder == "llama.cpp" and s.decode_tokens_per_second == 50.0
+    assert (s.ttft_seconds, s.total_seconds, s.prompt_tokens, s.generated_tokens) == (0.07, 0.11, 7, 2)
+    assert (s.drafted_tokens, s.accepted_tokens) == (6, 1) and abs(s.acceptance_rate - 1 / 6) < 1e-9

@@ -115,6 +115,8 @@ def run_remote(
         return RemoteRun(count_events(events, seconds, ttft, block, None), stats.prompt_tokens, texts)
     # Text chunks only: counts from the server's final statistics (none when it exposes none).
     spec = stats.verify_steps > 0
+    if stats.decoder == "llama.cpp":  # llama-server measures its own prompt and decode times: use them
+        seconds, ttft = stats.total_seconds, stats.ttft_seconds
     run = PromptRun(
         tokens=(),
         seconds=seconds,

@@ -119,6 +119,19 @@ def _spec_from_vllm(m: dict[str, Any]) -> _Spec | None:
         return None
 
 
+def _spec_from_llamacpp(t: dict[str, Any], generated: int) -> _Spec | None:
+    """llama.cpp's ``timings`` (``draft_n``, ``draft_n_accepted``): it reports no step count, but each
+    verify step commits its accepted drafts plus one token, so steps = generated - accepted."""
+    try:
+        drafted, accepted = int(t.get("draft_n") or 0), int(t.get("draft_n_accepted") or 0)
+    except (TypeError, ValueError):
+        return None
+    if drafted <= 0:
+        return None
+    steps = max(generated - 1 - accepted, 1)  # the first token comes from the prompt pass
+    return _Spec(AcceptanceCounts.from_totals(steps, drafted, accepted))
+
+
 def _spec_from_sglang(d: dict[str, Any]) -> _Spec | None:
     steps = int(d.get("spec_verify_ct") or 0)
     if steps <= 0:
@@ -451,6 +464,7 @@ class RemoteBackend:
         done: Finished | None = None
         finish: str | None = None
         usage: dict[str, Any] = {}
+        timings: dict[str, Any] | None = None  # llama.cpp's own server-side timings
         spec: _Spec | None = None
         first_at: float | None = None
         last = t0
@@ -498,6 +512,8 @@ class RemoteBackend:
                         spec = _spec_from_sglang(meta) or spec
                 if isinstance(chunk.get("usage"), dict):
                     usage = chunk["usage"]
+                if isinstance(chunk.get("timings"), dict):
+                    timings = chunk["timings"]
                 metrics = chunk.get("metrics")
                 if isinstance(metrics, dict) and isinstance(metrics.get("speculative_decoding"), dict):
                     spec = _spec_from_vllm(metrics["speculative_decoding"]) or spec
@@ -528,7 +544,32 @@ class RemoteBackend:
         ttft = (first_at - t0) if first_at is not None else total
         generated = int(usage.get("completion_tokens") or chunks)
         reason: FinishReason = "cancelled" if finish == "cancelled" else ("length" if finish == "length" else "stop")
+        if timings is not None and "predicted_ms" in timings:
+            yield Finished(reason=reason, stats=_llamacpp_stats(usage, generated, timings))
+            return
         yield Finished(reason=reason, stats=_remote_stats(usage, generated, ttft, total, spec))
+
+
+def _llamacpp_stats(usage: dict[str, Any], generated: int, t: dict[str, Any]) -> GenerationStats:
+    """Statistics from llama.cpp's own ``timings``: prompt and decode times measured in the server
+    (``prompt_ms``, ``predicted_ms``; decode tok/s = ``predicted_per_second``), drafts and accepted
+    drafts of its speculative modes. ``decoder`` is "llama.cpp" so that bench uses these times."""
+    prompt_s = float(t.get("prompt_ms") or 0.0) / 1000
+    decode_s = float(t.get("predicted_ms") or 0.0) / 1000
+    n = int(t.get("predicted_n") or generated)
+    spec = _spec_from_llamacpp(t, n)
+    return GenerationStats(
+        prompt_tokens=int(t.get("prompt_n") or usage.get("prompt_tokens") or 0),
+        generated_tokens=n,
+        ttft_seconds=prompt_s,
+        total_seconds=prompt_s + decode_s,
+        tokens_per_second=n / max(prompt_s + decode_s, 1e-9),
+        decode_tokens_per_second=float(t.get("predicted_per_second") or n / max(decode_s, 1e-9)),
+        acceptance=spec.counts if spec is not None else AcceptanceCounts(),
+        block_size=1,
+        verify_length=0,
+        decoder="llama.cpp",
+    )
 
 
 def _remote_stats(

@@ -151,7 +151,7 @@ def measure_costs(pipeline: Any, context: int = 96, reps: int = 3, max_tokens: i
     if drafter is not None and feats is not None:
         from runtime.engine.dflash import DraftHead
 
-        head = DraftHead(target, drafter)
+        head = DraftHead.for_pair(target, drafter)
         mask = drafter.dflash.mask_token_id
         block = torch.full((1, b), mask, dtype=torch.long, device=device)
         ctx = feats[:, -4:]

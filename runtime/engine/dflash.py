@@ -53,6 +53,18 @@ class DraftHead:
         pack = ids is not None and FusedLinear.can_pack(weight.device, weight.dtype) and type(weight) is torch.Tensor
         self._packed = FusedLinear([_Plain(weight, bias)], pack=True) if pack else None
 
+    @classmethod
+    def for_pair(cls, target: TargetModel, drafter: DFlashDraftModel) -> DraftHead:
+        """The head of this pair, built once and kept on the drafter (a reduced head is a gathered,
+        packed copy of the target's: not something to redo per request)."""
+        cached = drafter.__dict__.get("_dflash_head")
+        if cached is not None and cached[0] is target.lm_head.weight:
+            head: DraftHead = cached[1]
+            return head
+        head = cls(target, drafter)
+        drafter.__dict__["_dflash_head"] = (target.lm_head.weight, head)
+        return head
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft logits for hidden states [K, D] -> [K, V_d] over the draft vocabulary (column j is full
         id ``ids[j]``, or j without a reduced vocabulary)."""
@@ -119,7 +131,7 @@ class DFlashDecoder:
         self.head: DraftHead | None = None
         if self.drafter is not None:
             target.set_taps(self.drafter.dflash.target_layer_ids)
-            self.head = DraftHead(target, self.drafter)
+            self.head = DraftHead.for_pair(target, self.drafter)
             self.mask_id = self.drafter.dflash.mask_token_id
             self._sliding = any(cast(DraftLayer, layer).self_attn.sliding_window for layer in self.drafter.layers)
 
