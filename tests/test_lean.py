@@ -38,14 +38,14 @@ def test_lean_forward_matches_transformers(arch):
             x = _ids(n, 96, seed=n)
             l1, f1 = hf.forward(x, c_hf)
             l2, f2 = lean.forward(x, c_lean)
-            torch.testing.assert_close(l2, l1, rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(f2, f1, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(l2, l1, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(f2, f1, rtol=1e-4, atol=1e-4)
             assert lean.cache_len(c_lean) == hf.cache_len(c_hf)
             hf.crop(c_hf, hf.cache_len(c_hf) - 1)  # a rejected draft: roll back one
             lean.crop(c_lean, lean.cache_len(c_lean) - 1)
         l1, _ = hf.forward(_ids(1, 96, 0), c_hf, logits_to_keep=1)
         l2, _ = lean.forward(_ids(1, 96, 0), c_lean, logits_to_keep=1)
-        torch.testing.assert_close(l2, l1, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(l2, l1, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -74,7 +74,7 @@ def test_tree_mask_and_keep_equal_the_chosen_path(arch):
             ref_cache = lean.new_cache()
             lean.forward(prompt, ref_cache)
             ref, _ = lean.forward(tokens[:, path], ref_cache)
-            torch.testing.assert_close(tree_logits[path], ref, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(tree_logits[path], ref, rtol=1e-4, atol=1e-4)
         # keep the path r -> a -> c, then continue: equals the chain r a c + next token
         lean.keep(cache, start, [0, 1, 3])
         assert lean.cache_len(cache) == start + 3
@@ -82,7 +82,7 @@ def test_tree_mask_and_keep_equal_the_chosen_path(arch):
         ref_cache = lean.new_cache()
         lean.forward(prompt, ref_cache)
         ref, _ = lean.forward(torch.tensor([[11, 22, 44, 55]]), ref_cache)
-        torch.testing.assert_close(nxt[0], ref[-1], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(nxt[0], ref[-1], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("arch,block", [("qwen3", 4), ("qwen2", 8), ("llama", 16), ("qwen3", 2)])

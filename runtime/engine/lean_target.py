@@ -253,16 +253,24 @@ class LeanTarget(TargetModel):
             ck, cv = cache.k[i], cache.v[i]
             ck[0, :, start:end] = k
             cv[0, :, start:end] = v.transpose(0, 1)
-            a = F.scaled_dot_product_attention(
-                q.unsqueeze(0),
-                ck[:, :, :end],
-                cv[:, :, :end],
-                attn_mask=mask,
-                is_causal=causal,
-                scale=lay.scaling,
-                enable_gqa=nh != nkv,
-            )  # [1, H, T, hd]
-            (o,) = lay.o(a[0].transpose(0, 1).reshape(t, nh * hd))
+            if t == 1:
+                # one query: two small batched GEMMs over the KV groups; SDPA's CPU kernel costs 3-4x
+                # more for a single query at a few hundred keys
+                g = nh // nkv
+                scores = torch.bmm(q.reshape(nkv, g, hd), ck[0, :, :end].transpose(1, 2)) * lay.scaling
+                probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)  # [KV, g, end]
+                a = torch.bmm(probs, cv[0, :, :end]).reshape(nh, 1, hd)  # heads in order
+            else:
+                a = F.scaled_dot_product_attention(
+                    q.unsqueeze(0),
+                    ck[:, :, :end],
+                    cv[:, :, :end],
+                    attn_mask=mask,
+                    is_causal=causal,
+                    scale=lay.scaling,
+                    enable_gqa=nh != nkv,
+                )[0]  # [H, T, hd]
+            (o,) = lay.o(a.transpose(0, 1).reshape(t, nh * hd))
             h = h + o
             # MLP
             x = _rms(h, lay.ln2, lay.eps2)
