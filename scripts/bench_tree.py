@@ -70,17 +70,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", dest="json_out", help="write every measurement to this file")
     args = ap.parse_args(argv)
 
-    from dflash_cli.common import calibrate, load
+    from dflash_cli.common import session_options
     from runtime import DecodeOptions, SamplingParams
+    from runtime.session import open_pipeline
 
     prompts = Path(args.prompts).read_text().splitlines() if args.prompts else list(PROMPTS)
     prompts = [p for p in prompts if p.strip()][: args.limit]
     budgets = parse_budgets(args.budgets)
-    pipe = load(None, args.target, args.drafter, "auto", args.dtype, threads=args.threads)
+    # as `dflash run`: load, then this machine's verify costs (measured once, cached; up to 65 tokens)
+    session = session_options(None, args.target, args.drafter, "auto", args.dtype, threads=args.threads)
+    pipe = open_pipeline(session, progress=lambda m: print(m, file=sys.stderr))
     if pipe.drafter is None:
         print("bench_tree: no drafter loaded", file=sys.stderr)
         return 2
-    calibrate(pipe, say=lambda m: print(m, file=sys.stderr))
     block = pipe.block_size
     d = pipe.describe()
     print(f"pair: {d['target']} + {d['drafter']} | {d['device']} {d['dtype']} | block {block}", file=sys.stderr)
