@@ -256,8 +256,8 @@ class LeanTarget(TargetModel):
             if t == 1:
                 # one query: two small batched GEMMs over the KV groups; SDPA's CPU kernel costs 3-4x
                 # more for a single query at a few hundred keys
-                g = nh // nkv
-                scores = torch.bmm(q.reshape(nkv, g, hd), ck[0, :, :end].transpose(1, 2)) * lay.scaling
+                groups = nh // nkv
+                scores = torch.bmm(q.reshape(nkv, groups, hd), ck[0, :, :end].transpose(1, 2)) * lay.scaling
                 probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)  # [KV, g, end]
                 a = torch.bmm(probs, cv[0, :, :end]).reshape(nh, 1, hd)  # heads in order
             else:
