@@ -92,6 +92,45 @@ def _sync(device: torch.device) -> None:
         torch.mps.synchronize()
 
 
+class Committer:
+    """Turns committed ids into token events for one generation: stops at a stop id, a stop string
+    or the length limit, and appends the detokenizer's tail to the last event (shared by the chain
+    and tree loops).
+
+    Args:
+        stop_ids: ids that end the generation.
+        asm: the generation's text assembler.
+    """
+
+    def __init__(self, stop_ids: frozenset[int], asm: TextAssembler) -> None:
+        self.stop_ids, self.asm = stop_ids, asm
+
+    def __call__(
+        self, ids: Sequence[int], statuses: Sequence[TokenStatus], last: bool
+    ) -> tuple[list[TokenEvent], FinishReason | None]:
+        """Events for ``ids`` (committed in order) and the finish reason if the generation ends here."""
+        events: list[TokenEvent] = []
+        reason: FinishReason | None = None
+        for tok, status in zip(ids, statuses, strict=True):
+            if tok in self.stop_ids:
+                events.append(TokenEvent(tok, "", status))
+                reason = "stop"
+                break
+            text, hit = self.asm.push(tok)
+            events.append(TokenEvent(tok, text, status))
+            if hit:
+                reason = "stop"
+                break
+        if reason is None and last:
+            reason = "length"
+        if reason is not None and events:
+            tail = self.asm.finish()
+            if tail:
+                e = events[-1]
+                events[-1] = TokenEvent(e.token_id, e.text + tail, e.status)
+        return events, reason
+
+
 class DFlashDecoder:
     """Speculative decoder: DFlash drafter + target verification.
 
@@ -226,30 +265,7 @@ class DFlashDecoder:
         if limit is not None:
             max_new = min(max_new, limit - n_prompt)
 
-        def commit(
-            ids: Sequence[int], statuses: Sequence[TokenStatus], last: bool
-        ) -> tuple[list[TokenEvent], FinishReason | None]:
-            """Turn committed ids into token events; stop at a stop id, a stop string or the length."""
-            events: list[TokenEvent] = []
-            reason: FinishReason | None = None
-            for tok, status in zip(ids, statuses, strict=True):
-                if tok in stop_ids:
-                    events.append(TokenEvent(tok, "", status))
-                    reason = "stop"
-                    break
-                text, hit = asm.push(tok)
-                events.append(TokenEvent(tok, text, status))
-                if hit:
-                    reason = "stop"
-                    break
-            if reason is None and last:
-                reason = "length"
-            if reason is not None and events:
-                tail = asm.finish()
-                if tail:
-                    e = events[-1]
-                    events[-1] = TokenEvent(e.token_id, e.text + tail, e.status)
-            return events, reason
+        commit = Committer(stop_ids, asm)
 
         # 1. Prefill: target on the prompt, capture features of every position, first token.
         room = n_prompt + max_new + self.block_size + 1  # positions this request can reach

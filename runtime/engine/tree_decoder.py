@@ -21,15 +21,13 @@ import torch
 from runtime.config import ConfigError, SamplingParams
 from runtime.engine.decoder import CancelToken, StatsRecorder
 from runtime.engine.detok import TextAssembler, TokenizerLike
-from runtime.engine.dflash import DFlashDecoder, _sync
+from runtime.engine.dflash import Committer, DFlashDecoder, _sync
 from runtime.engine.drafter import DFlashDraftModel
 from runtime.engine.events import (
     BlockVerified,
     DecodeEvent,
     Finished,
-    FinishReason,
     PrefillDone,
-    TokenEvent,
     TokenStatus,
 )
 from runtime.engine.guards import ensure_finite_logits
@@ -157,27 +155,7 @@ class TreeDecoder(DFlashDecoder):
         if limit is not None:
             max_new = min(max_new, limit - n_prompt)
 
-        def commit(ids: Sequence[int], statuses: Sequence[TokenStatus], last: bool):  # type: ignore[no-untyped-def]
-            events: list[TokenEvent] = []
-            reason: FinishReason | None = None
-            for tok, status in zip(ids, statuses, strict=True):
-                if tok in stop_ids:
-                    events.append(TokenEvent(tok, "", status))
-                    reason = "stop"
-                    break
-                text, hit = asm.push(tok)
-                events.append(TokenEvent(tok, text, status))
-                if hit:
-                    reason = "stop"
-                    break
-            if reason is None and last:
-                reason = "length"
-            if reason is not None and events:
-                tail = asm.finish()
-                if tail:
-                    e = events[-1]
-                    events[-1] = TokenEvent(e.token_id, e.text + tail, e.status)
-            return events, reason
+        commit = Committer(stop_ids, asm)
 
         # 1. Prefill: target on the prompt, capture features of every position, first token.
         room = n_prompt + max_new + max(self.block_size, self.policy.budget(), 64) + 2  # slots a request can reach
