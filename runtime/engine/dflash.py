@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from typing import cast
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -131,6 +131,16 @@ class Committer:
         return events, reason
 
 
+class _Request(NamedTuple):
+    """What one generation needs before its prefill (``DFlashDecoder._begin``)."""
+
+    gen: torch.Generator | None
+    asm: TextAssembler
+    max_new: int
+    limit: int | None
+    commit: Committer
+
+
 class DFlashDecoder:
     """Speculative decoder: DFlash drafter + target verification.
 
@@ -246,10 +256,13 @@ class DFlashDecoder:
         d_cache.crop(start)  # keep context entries only; the block never stays cached
         return hidden[0]
 
-    @torch.inference_mode()
-    def _stream(self, prompt: list[int], params: SamplingParams, cancel: CancelToken | None) -> Iterator[DecodeEvent]:
-        target, device = self.target, self.target.device
-        n_prompt = len(prompt)
+    def _begin(self, prompt: list[int], params: SamplingParams) -> _Request:
+        """Check the prompt and set up one request (shared by the chain and tree loops).
+
+        Raises:
+            InputError: empty prompt, a prompt that fills the target's context, ids out of the vocabulary.
+        """
+        target, n_prompt = self.target, len(prompt)
         if n_prompt == 0:
             raise InputError("the prompt is empty; give some text (or --prompt-ids)")
         limit = target.max_positions
@@ -258,17 +271,17 @@ class DFlashDecoder:
         if any(not (0 <= t < target.vocab_size) for t in prompt):
             raise InputError(f"prompt ids must be in [0, {target.vocab_size}), got {max(prompt)}")
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.stop_token_ids)
-        gen = None if params.greedy else torch.Generator(device=device).manual_seed(params.seed)
+        gen = None if params.greedy else torch.Generator(device=target.device).manual_seed(params.seed)
         asm = TextAssembler(self.tokenizer, params.stop_strings, context_ids=prompt)
-        rec = StatsRecorder(n_prompt, self.block_size, "dflash" if self.drafter is not None else "ar")
-        max_new = params.max_new_tokens
-        if limit is not None:
-            max_new = min(max_new, limit - n_prompt)
+        max_new = params.max_new_tokens if limit is None else min(params.max_new_tokens, limit - n_prompt)
+        return _Request(gen, asm, max_new, limit, Committer(stop_ids, asm))
 
-        commit = Committer(stop_ids, asm)
-
-        # 1. Prefill: target on the prompt, capture features of every position, first token.
-        room = n_prompt + max_new + self.block_size + 1  # positions this request can reach
+    def _prefill(
+        self, prompt: list[int], params: SamplingParams, gen: torch.Generator | None, room: int
+    ) -> tuple[Any, torch.Tensor, torch.Tensor | None]:
+        """Target forward on the prompt with a cache for ``room`` positions (and the drafter's reused
+        buffers); returns the cache, the first token [1] (on the device) and the prompt's features."""
+        target, device = self.target, self.target.device
         t_cache = target.new_cache(capacity=room)
         if self.drafter is not None:
             self._block = torch.full((1, self.block_size), self.mask_id, dtype=torch.long, device=device)
@@ -276,7 +289,18 @@ class DFlashDecoder:
         ids = torch.tensor([prompt], dtype=torch.long, device=device)  # [1, P]
         logits, feats = target.forward(ids, t_cache, logits_to_keep=1, capture=self.drafter is not None)
         ensure_finite_logits(logits[-1:], target)  # garbage weights: exit 4 naming the folder, not `0 0 0 ...`
-        anchor = sample(logits[-1:], params, gen)  # [1], stays on the device
+        return t_cache, sample(logits[-1:], params, gen), feats
+
+    @torch.inference_mode()
+    def _stream(self, prompt: list[int], params: SamplingParams, cancel: CancelToken | None) -> Iterator[DecodeEvent]:
+        target, device = self.target, self.target.device
+        n_prompt = len(prompt)
+        gen, asm, max_new, limit, commit = self._begin(prompt, params)
+        rec = StatsRecorder(n_prompt, self.block_size, "dflash" if self.drafter is not None else "ar")
+
+        # 1. Prefill: target on the prompt, capture features of every position, first token.
+        room = n_prompt + max_new + self.block_size + 1  # positions this request can reach
+        t_cache, anchor, feats = self._prefill(prompt, params, gen, room)
         first = int(anchor.item())
         _sync(device)
         ttft = time.perf_counter() - rec.t0

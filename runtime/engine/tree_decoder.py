@@ -21,7 +21,7 @@ import torch
 from runtime.config import ConfigError, SamplingParams
 from runtime.engine.decoder import CancelToken, StatsRecorder
 from runtime.engine.detok import TextAssembler, TokenizerLike
-from runtime.engine.dflash import Committer, DFlashDecoder, _sync
+from runtime.engine.dflash import DFlashDecoder, _sync
 from runtime.engine.drafter import DFlashDraftModel
 from runtime.engine.events import (
     BlockVerified,
@@ -30,7 +30,6 @@ from runtime.engine.events import (
     PrefillDone,
     TokenStatus,
 )
-from runtime.engine.guards import ensure_finite_logits
 from runtime.engine.kv_cache import DraftKVCache
 from runtime.engine.sampling import sample
 from runtime.engine.target import TargetModel
@@ -44,7 +43,6 @@ from runtime.engine.tree import (
     walk,
 )
 from runtime.engine.tree_budget import RANKS, FixedTreeBudget, TreeBudgetPolicy
-from runtime.errors import InputError
 
 TREE_ATTENTION = ("sdpa", "eager")  # attention implementations that take a custom 4D mask
 
@@ -140,32 +138,13 @@ class TreeDecoder(DFlashDecoder):
     def _stream(self, prompt: list[int], params: SamplingParams, cancel: CancelToken | None) -> Iterator[DecodeEvent]:
         target, device = self.target, self.target.device
         n_prompt = len(prompt)
-        if n_prompt == 0:
-            raise InputError("the prompt is empty; give some text (or --prompt-ids)")
-        limit = target.max_positions
-        if limit is not None and n_prompt >= limit:
-            raise InputError(f"the prompt has {n_prompt} tokens but the target's context is {limit} tokens; shorten it")
-        if any(not (0 <= t < target.vocab_size) for t in prompt):
-            raise InputError(f"prompt ids must be in [0, {target.vocab_size}), got {max(prompt)}")
-        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.stop_token_ids)
-        gen = None if params.greedy else torch.Generator(device=device).manual_seed(params.seed)
-        asm = TextAssembler(self.tokenizer, params.stop_strings, context_ids=prompt)
+        gen, asm, max_new, limit, commit = self._begin(prompt, params)
         rec = StatsRecorder(n_prompt, self.block_size, "dflash", tree_budget=self.policy.budget())
-        max_new = params.max_new_tokens
-        if limit is not None:
-            max_new = min(max_new, limit - n_prompt)
-
-        commit = Committer(stop_ids, asm)
 
         # 1. Prefill: target on the prompt, capture features of every position, first token.
         room = n_prompt + max_new + max(self.block_size, self.policy.budget(), 64) + 2  # slots a request can reach
-        t_cache = target.new_cache(capacity=room)
-        self._block = torch.full((1, self.block_size), self.mask_id, dtype=torch.long, device=device)
-        self._positions = torch.arange(room + self.block_size, device=device)
-        ids = torch.tensor([prompt], dtype=torch.long, device=device)  # [1, P]
-        logits, feats = target.forward(ids, t_cache, logits_to_keep=1, capture=True)
-        ensure_finite_logits(logits[-1:], target)  # garbage weights: exit 4 naming the folder
-        first = int(sample(logits[-1:], params, gen).item())
+        t_cache, first_t, feats = self._prefill(prompt, params, gen, room)
+        first = int(first_t.item())
         _sync(device)
         ttft = time.perf_counter() - rec.t0
         events, reason = commit([first], [TokenStatus.TARGET], last=max_new <= 1)
