@@ -467,3 +467,56 @@ def test_cli_train_soft_target_init_auto_vocab(tiny, tmp_path, monkeypatch):
     assert state["config"]["distill"] == "soft" and state["config"]["soft_weight"] == 0.6
     bad = CliRunner().invoke(app, ["train", "--out", str(tmp_path / "x"), "--steps", "1", "--draft-vocab", "lots"])
     assert bad.exit_code == 2 and "--draft-vocab" in bad.output
+
+
+def test_cli_train_from_an_existing_drafter(tiny, tmp_path, monkeypatch):
+    """--from-drafter fine-tunes an existing drafter: its weights are the starting point (the first
+    validation loss is that drafter's, not a fresh one's), its architecture is kept, the draft
+    vocabulary is chosen anew, and the card says where it came from. Bad sources exit 2."""
+    _, target_dir, data_dir, _ = tiny
+    base = ["train", "--target", str(target_dir), "--data", str(data_dir), "--no-eval", "--no-ood-eval"]
+    base += ["--dtype", "float32", "--anchors", "8", "--eval-every", "1"]
+    first = tmp_path / "first"
+    args = [*base, "--out", str(first), "--taps", "1,3", "-b", "4", "--steps", "40", "--draft-vocab", "full"]
+    monkeypatch.setattr(sys, "argv", ["dflash", *args])
+    assert CliRunner().invoke(app, args).exit_code == 0
+    from runtime.train.state import load_trainer_state
+
+    def history(run):
+        return load_trainer_state(run / "checkpoint")["state"]["history"]
+
+    fresh_loss, trained_loss = history(first)[0]["val_loss"], history(first)[-1]["val_loss"]
+    assert history(first)[0]["step"] == 0 and trained_loss < fresh_loss
+
+    second = tmp_path / "second"
+    args = [*base, "--out", str(second), "--from-drafter", str(first / "drafter"), "--steps", "2"]
+    args += ["--draft-vocab", "auto"]
+    monkeypatch.setattr(sys, "argv", ["dflash", *args])
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    start_loss = history(second)[0]["val_loss"]  # step 0: before any update
+    assert start_loss < (fresh_loss + trained_loss) / 2  # starts where the first run ended, not from scratch
+    cfg = json.loads((second / "drafter" / "config.json").read_text())
+    assert cfg["dflash_config"]["target_layer_ids"] == [1, 3] and cfg["block_size"] == 4
+    assert cfg["dflash_training"]["init"]["kind"] == "drafter"
+    assert "acceptance_conditional" not in cfg["dflash_config"] or cfg["dflash_training"].get("evaluation")
+    card = (second / "drafter" / "README.md").read_text()
+    assert "fine-tuned from the drafter `first/drafter`" in card
+
+    bad = CliRunner().invoke(
+        app, [*base, "--out", str(tmp_path / "x"), "--from-drafter", str(tmp_path), "--steps", "1"]
+    )
+    assert bad.exit_code == 2 and "--from-drafter" in bad.output and "no config.json" in bad.output
+    clash = [
+        *base,
+        "--out",
+        str(tmp_path / "y"),
+        "--from-drafter",
+        str(first / "drafter"),
+        "--taps",
+        "1,2",
+        "--steps",
+        "1",
+    ]
+    bad = CliRunner().invoke(app, clash)
+    assert bad.exit_code == 2 and "differs from --from-drafter" in bad.output

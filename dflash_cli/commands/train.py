@@ -81,6 +81,14 @@ def train(
     init: Annotated[
         str, typer.Option("--init", help="random, or target: copy the target's last layer(s) where shapes allow.")
     ] = "random",
+    from_drafter: Annotated[
+        str | None,
+        typer.Option(
+            "--from-drafter",
+            help="Start from an existing drafter (a folder, or 'embedded' for the shipped one) and fine-tune it "
+            "on this run's data; it keeps its architecture, the draft vocabulary is chosen anew.",
+        ),
+    ] = None,
     eval_every: Annotated[
         int, typer.Option("--eval-every", help="Steps between held-out evaluations (OUT/eval.jsonl).")
     ] = 200,
@@ -130,6 +138,12 @@ def train(
     if not data_only and not resume and steps is None and budget is None:
         raise typer.BadParameter("give --steps or --time-budget (or --data-only)")
     tap_ids = tuple(parse_ids(taps)) if taps else None
+    source = _source_drafter(from_drafter) if from_drafter else None
+    if source is not None and not resume:
+        src_taps = tuple(json.loads((source / "config.json").read_text())["dflash_config"]["target_layer_ids"])
+        if tap_ids is not None and tap_ids != src_taps:
+            raise typer.BadParameter(f"--taps {list(tap_ids)} differs from --from-drafter's taps {list(src_taps)}")
+        tap_ids = src_taps
     spec = DrafterSpec(
         num_layers=layers,
         block_size=block_size,
@@ -138,6 +152,7 @@ def train(
         draft_vocab=vocab_choice,
         max_oov=max_oov,
         init=init,
+        from_drafter=source,
     )
     cfg = None
     if not data_only and (steps is not None or budget is not None):  # --resume alone keeps the run's schedule
@@ -217,6 +232,39 @@ def train(
     path = export(out, evaluation, card)
     say(f"drafter saved to {path}")
     print(path)
+
+
+def _source_drafter(text: str) -> Path:
+    """--from-drafter: a drafter folder, or 'embedded' for the drafter shipped in the package."""
+    if text.strip().lower() == "embedded":
+        from runtime.models.embedded import embedded_drafter_dir
+
+        return embedded_drafter_dir()
+    path = Path(text).expanduser()
+    if not (path / "config.json").is_file():
+        raise typer.BadParameter(f"--from-drafter {text!r} is not a drafter folder (no config.json)")
+    try:
+        json.loads((path / "config.json").read_text())["dflash_config"]["target_layer_ids"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise typer.BadParameter(f"--from-drafter {text!r}: config.json is not a DFlash drafter config ({e})") from e
+    return path
+
+
+def _init_line(init: dict[str, Any]) -> str:
+    """The model card's initialisation line."""
+    kind, rep = init.get("kind", "random"), init.get("report") or {}
+    if kind == "drafter" and rep:
+        return (
+            f"fine-tuned from the drafter `{rep.get('source')}` ({rep.get('source_steps')} steps, "
+            f"{rep.get('source_train_seconds')} s of earlier training, draft vocabulary "
+            f"{rep.get('source_draft_vocab')} ids before this run)"
+        )
+    if rep and "source_layers" in rep:
+        return (
+            f"{kind} (target layers {rep['source_layers']}; {len(rep['copied'])} tensors copied, "
+            f"{len(rep['pruned'])} MLP pruned, {len(rep['skipped'])} skipped)"
+        )
+    return str(kind)
 
 
 def _draft_vocab(text: str) -> int | str:
@@ -586,13 +634,7 @@ def model_card(
         f"target layers {list(d.dflash.target_layer_ids)}",
         f"- draft vocabulary: {d.draft_vocab_ids.numel() if d.draft_vocab_ids is not None else 'full'} token ids"
         + (f" ({vocab['rule']}; held-out OOV share {vocab['oov_share']:.2%})" if "rule" in vocab else ""),
-        f"- initialisation: {init.get('kind', 'random')}"
-        + (
-            f" (target layers {init['report']['source_layers']}; {len(init['report']['copied'])} tensors copied, "
-            f"{len(init['report']['pruned'])} MLP pruned, {len(init['report']['skipped'])} skipped)"
-            if init.get("report")
-            else ""
-        ),
+        f"- initialisation: {_init_line(init)}",
         "",
         "## Data",
         "The target's own greedy answers (chat template, thinking off) to coding prompts built offline",

@@ -59,6 +59,9 @@ class DrafterSpec:
         max_oov: the OOV share ``draft_vocab="auto"`` aims for.
         init: "random" (TRAINING-NOTES.md's init) or "target" (copy the target's last layer(s)
             where shapes allow, ``init_from_target``).
+        from_drafter: start from this existing drafter folder instead (fine-tune / warm start): its
+            architecture (layers, taps, block size, widths, mask token) and weights are kept, the
+            draft vocabulary is chosen anew from the data; the other architecture fields are ignored.
     """
 
     num_layers: int = 1
@@ -69,6 +72,7 @@ class DrafterSpec:
     mask_token_id: int | None = None
     max_oov: float = 0.01
     init: str = "random"
+    from_drafter: Path | None = None
 
     def __post_init__(self) -> None:
         if self.num_layers < 1 or self.block_size < 2:
@@ -317,6 +321,9 @@ def fit(
         if ckpt.exists():
             raise ConfigError(f"{ckpt} exists; pass --resume to continue it or choose another --out")
         meta = dataset_meta(data_dir)
+    if not resume and spec.from_drafter is not None:
+        drafter, init_report = warm_start(spec.from_drafter, target, meta["taps"])
+    elif not resume:
         taps = list(spec.taps) if spec.taps else list(meta["taps"])
         mask = spec.mask_token_id if spec.mask_token_id is not None else pick_mask_token_id(target.config, tokenizer)
         cfg = make_drafter_config(
@@ -362,8 +369,9 @@ def fit(
 
     trainer.on_eval = on_eval
     recorded = dict(drafter.config.raw.get("dflash_training") or {}) if resume else {}
+    init_kind = "drafter" if spec.from_drafter is not None else spec.init
     init_note = recorded.get("init") or (
-        {"kind": "not recorded"} if resume else {"kind": spec.init, **({"report": init_report} if init_report else {})}
+        {"kind": "not recorded"} if resume else {"kind": init_kind, **({"report": init_report} if init_report else {})}
     )
     vocab_note = recorded.get("draft_vocab") or _vocab_note(coverage, drafter)
 
@@ -378,6 +386,51 @@ def fit(
         log.close()
         eval_log.close()
     return trainer
+
+
+def warm_start(source: Path, target: TargetModel, data_taps: Sequence[int]) -> tuple[Any, dict[str, Any]]:
+    """An existing drafter as the starting point of a new run (fine-tuning on new data).
+
+    The drafter keeps its architecture and weights; only its draft vocabulary is chosen anew (the
+    layers do not depend on it: the head is the target's own lm_head restricted to the chosen ids).
+
+    Raises:
+        ConfigError: the drafter does not fit the target (hidden size, vocabulary, layer count) or
+            taps layers the dataset does not hold.
+    """
+    drafter = load_draft_model(source, "cpu", torch.float32)
+    dc = drafter.config
+    problems = []
+    if dc.hidden_size != target.hidden_size:
+        problems.append(f"hidden size {dc.hidden_size} vs the target's {target.hidden_size}")
+    if dc.vocab_size != target.vocab_size:
+        problems.append(f"vocabulary {dc.vocab_size} vs the target's {target.vocab_size}")
+    n_target = dc.raw.get("num_target_layers")
+    if n_target is not None and int(n_target) != target.num_layers:
+        problems.append(f"made for a {n_target}-layer target, this one has {target.num_layers}")
+    if problems:
+        raise ConfigError(f"drafter {source} does not fit this target: " + "; ".join(problems))
+    taps = list(drafter.dflash.target_layer_ids)
+    missing = [t for t in taps if t not in data_taps]
+    if missing:
+        raise ConfigError(
+            f"drafter {source} taps layers {taps}; the dataset holds {list(data_taps)} (missing {missing}): "
+            "build the data with --taps " + ",".join(str(t) for t in taps)
+        )
+    previous = dict(dc.raw.get("dflash_training") or {})
+    report = {
+        "source": str(Path(*Path(source).resolve().parts[-2:])),
+        "source_steps": previous.get("steps"),
+        "source_train_seconds": previous.get("train_seconds"),
+        "source_draft_vocab": int(drafter.draft_vocab_ids.numel()) if drafter.draft_vocab_ids is not None else None,
+    }
+    drafter.draft_vocab_ids = None  # chosen anew from this run's data
+    # the source's own record and measured acceptance describe another run: not carried over
+    dc.raw.pop("dflash_training", None)
+    dc.raw.pop("training", None)
+    if isinstance(dc.raw.get("dflash_config"), dict):
+        dc.raw["dflash_config"] = {k: v for k, v in dc.raw["dflash_config"].items() if k != "acceptance_conditional"}
+    return drafter, report
 
 
 def choose_draft_vocab(
