@@ -24,7 +24,7 @@ from runtime.engine.device import dtype_name, resolve_device, resolve_dtype
 from runtime.engine.drafter import DFlashDraftModel, DraftModelConfig, load_draft_model
 from runtime.engine.events import DecodeEvent
 from runtime.engine.lean_target import LeanTarget, lean_supported
-from runtime.engine.linear import pack_linears
+from runtime.engine.linear import int8_linears, pack_linears
 from runtime.engine.target import TargetModel
 from runtime.engine.tree_budget import DEFAULT_TREE_COST, AdaptiveTreeBudget
 from runtime.engine.tree_decoder import TreeDecoder, tree_attention_support
@@ -523,7 +523,9 @@ def load_pipeline(
             progress(f"loading drafter {pair.drafter_name}")
         drafter = load_draft_model(pair.drafter_dir, device, dtype)
         apply_saved_quantization(drafter, pair.drafter_dir, device)
-        if runtime.engine != "hf":
+        if target.int8:
+            int8_linears(drafter)  # beside an int8 target the drafter's GEMMs run in int8 too
+        elif runtime.engine != "hf":
             pack_linears(drafter)  # inference only: packed oneDNN GEMMs on CPUs (no-op elsewhere)
         ids = drafter.draft_vocab_ids
         if ids is not None and ids.numel() and int(ids.max()) >= target.vocab_size:

@@ -189,6 +189,18 @@ def greedy_reference(model: Any, prompt: Sequence[int], n: int) -> list[int]:
     return ids[len(prompt) :]
 
 
+def lean_greedy_reference(lean: Any, prompt: Sequence[int], n: int) -> list[int]:
+    """Plain greedy continuation through a ``LeanTarget``'s forward, re-reading the whole sequence
+    into a fresh cache at every token (no incremental cache, no verify blocks): the reference for
+    targets whose numbers only the lean forward defines (int8 GEMM, int8 head)."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            logits, _ = lean.forward(torch.tensor([ids]), lean.new_cache(), logits_to_keep=1, capture=False)
+            ids.append(int(logits[-1].float().argmax()))
+    return ids[len(prompt) :]
+
+
 class OracleDecoder(DFlashDecoder):
     """Proposes the target's own greedy continuation: every draft is accepted.
 

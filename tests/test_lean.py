@@ -16,7 +16,7 @@ from runtime.engine.linear import FusedLinear, pack_linears
 from runtime.engine.target import TargetModel
 from runtime.errors import ConfigError
 from runtime.pipeline import make_target as wrap_target
-from tests.fakes import collect_ids, greedy_reference, make_drafter, make_target
+from tests.fakes import collect_ids, greedy_reference, lean_greedy_reference, make_drafter, make_target
 
 ARCHS = ["qwen3", "qwen2", "llama"]
 
@@ -167,8 +167,9 @@ def test_calibration_key_names_quantization_and_engine():
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_lean_forward_on_quantized_target_equals_its_plain_greedy(scheme):
-    """Quantized weights (torchao tensor subclasses) run through the lean forward unpacked; DFlash on
-    them equals cache-free greedy decoding of the same quantized model."""
+    """Quantized weights run through the lean forward (int8: ATen's int8 GEMM, the head in int8 too;
+    int4: torchao's modules, unpacked); DFlash on them equals plain greedy decoding of the same
+    quantized target, in float32."""
     pytest.importorskip("torchao")
     from runtime.quantize.schemes import quantize_model_inplace
 
@@ -176,11 +177,31 @@ def test_lean_forward_on_quantized_target_equals_its_plain_greedy(scheme):
     quantize_model_inplace(model, scheme, "cpu")
     lean = LeanTarget(model)
     assert not any(lay.qkv.packed for lay in lean.lean_layers)
+    int8 = scheme == "int8"
+    assert all(lay.qkv.int8 and lay.down.int8 for lay in lean.lean_layers) == int8
+    assert lean.head.int8 == int8
     drafter = make_drafter(model.config, block_size=6)
     params = SamplingParams(max_new_tokens=16)
     rng = random.Random(scheme)
     for _ in range(3):
         p = [rng.randrange(96) for _ in range(rng.randint(2, 10))]
-        ref = greedy_reference(model, p, 16)
+        ref = lean_greedy_reference(lean, p, 16) if int8 else greedy_reference(model, p, 16)
         assert collect_ids(list(AutoregressiveDecoder(lean).stream(p, params))) == ref
         assert collect_ids(list(DFlashDecoder(lean, drafter).stream(p, params))) == ref
+
+
+def test_lean_int8_logits_stay_close_to_the_quantized_modules():
+    """The int8 GEMM path (bf16 activations inside the GEMM, int8 head) computes the same function
+    as torchao's int8 modules with a float head, up to bf16 rounding and the head's quantization."""
+    pytest.importorskip("torchao")
+    from runtime.quantize.schemes import quantize_model_inplace
+
+    model = make_target("qwen3", vocab_size=96, seed=5)
+    quantize_model_inplace(model, "int8", "cpu")
+    lean = LeanTarget(model)
+    ids = _ids(12, 96, 1)
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits[0].float()
+        got, _ = lean.forward(ids, lean.new_cache(), capture=False)
+    err = (got.float() - ref).abs().max() / ref.abs().max()
+    assert err < 0.05

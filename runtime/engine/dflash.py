@@ -30,7 +30,7 @@ from runtime.engine.events import (
 )
 from runtime.engine.guards import ensure_finite_logits
 from runtime.engine.kv_cache import DraftKVCache
-from runtime.engine.linear import FusedLinear
+from runtime.engine.linear import FusedLinear, Int8Head
 from runtime.engine.sampling import sample
 from runtime.engine.target import TargetModel
 from runtime.engine.verify_length import FixedVerifyLength, VerifyLengthPolicy
@@ -52,6 +52,9 @@ class DraftHead:
         # a reduced head is a copy: pack it once for oneDNN where that runs (runtime.engine.linear)
         pack = ids is not None and FusedLinear.can_pack(weight.device, weight.dtype) and type(weight) is torch.Tensor
         self._packed = FusedLinear([_Plain(weight, bias)], pack=True) if pack else None
+        if target.int8 and type(weight) is torch.Tensor:
+            # beside an int8 target (its own head in int8), the draft head is read in int8 as well
+            self._packed = FusedLinear([Int8Head(_Plain(weight, bias))], pack=False)
 
     @classmethod
     def for_pair(cls, target: TargetModel, drafter: DFlashDraftModel) -> DraftHead:

@@ -5,8 +5,15 @@ decode step (1-16 rows) that costs more than the multiply itself. ``FusedLinear`
 (concatenated) weight once into oneDNN's blocked layout (``mkldnn._reorder_linear_weight``, the
 op torch.compile's CPU backend emits for frozen weights) and calls the packed GEMM
 (``mkldnn._linear_pointwise``): same kernel family, same results, several times less time per
-call. Where packing is unavailable (CUDA, float16, quantized tensor subclasses, a torch without
-oneDNN bf16) the modules are called as they are.
+call. Where packing is unavailable (CUDA, float16, a torch without oneDNN bf16) the modules are
+called as they are.
+
+int8 weight-only weights (torchao ``Int8Tensor``: int8 values + one scale per output row, what
+``--quantize int8`` makes) are fused the same way on a CPU and computed with ATen's
+``_weight_int8pack_mm``, which reads the int8 weights directly (a quarter of float32's bytes) and
+accumulates in float32; its activations and scales are bfloat16, its output is rounded to bfloat16
+and then cast to the caller's dtype. The module call (torchao's own linear) de-quantizes the whole
+weight to the activation dtype on every call instead.
 """
 
 from __future__ import annotations
@@ -20,6 +27,52 @@ from torch import nn
 
 def _plain(t: torch.Tensor | None) -> bool:
     return t is None or type(t.data) is torch.Tensor
+
+
+def _int8_parts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(int8 values [N, K], per-row scales [N]) of a row-wise int8 weight-only tensor, else None."""
+    qdata, scale = getattr(w, "qdata", None), getattr(w, "scale", None)
+    if not isinstance(qdata, torch.Tensor) or not isinstance(scale, torch.Tensor):
+        return None
+    if qdata.dtype != torch.int8 or qdata.dim() != 2 or scale.numel() != qdata.shape[0]:
+        return None
+    zero = getattr(w, "zero_point", None)
+    if getattr(w, "act_quant_kwargs", None) is not None:
+        return None  # dynamic activation quantization: not this kernel's math
+    if isinstance(zero, torch.Tensor) and bool(zero.any()):
+        return None  # asymmetric: not this kernel's math
+    return qdata, scale.reshape(-1)
+
+
+def int8_kernel_available(device: torch.device) -> bool:
+    """Whether ATen's int8 weight-only GEMM runs on ``device`` (CPU builds of torch >= 2.3)."""
+    return device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int8pack_mm")
+
+
+class Int8RowWise:
+    """A symmetric per-row int8 copy of a float weight (``qdata``, ``scale``: what ``FusedLinear``
+    reads of a torchao ``Int8Tensor``), for a layer the quantizer leaves in float (the output head)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        w = weight.detach().float()
+        scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+        self.qdata = torch.round(w / scale[:, None]).clamp(-128, 127).to(torch.int8)
+        self.scale = scale
+        self.shape = self.qdata.shape
+        self.device = weight.device
+
+
+class Int8Head:
+    """An output head computed with int8 weights (module-like: ``weight``, ``bias``, call)."""
+
+    def __init__(self, linear: Any) -> None:
+        self.weight = Int8RowWise(linear.weight)
+        self.bias = getattr(linear, "bias", None)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        y = (x.float() @ (w.qdata.float() * w.scale[:, None]).T).to(x.dtype)  # the reference math
+        return y + self.bias if self.bias is not None else y
 
 
 class FusedLinear:
@@ -38,17 +91,35 @@ class FusedLinear:
         self.packed = pack and all(_plain(w) for w in weights) and all(_plain(b) for b in biases)
         self.weight: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
+        self.scale: torch.Tensor | None = None  # int8 mode: per-row scales (bf16)
+        parts = [_int8_parts(w) for w in weights]
+        self.int8 = (
+            all(p is not None for p in parts)
+            and all(_plain(b) for b in biases)
+            and int8_kernel_available(weights[0].device)
+        )
+        if self.int8:
+            with torch.no_grad():
+                self.weight = torch.cat([p[0] for p in parts if p is not None]).contiguous()
+                self.scale = torch.cat([p[1] for p in parts if p is not None]).to(torch.bfloat16).contiguous()
+                self.bias = self._cat_bias(biases, self.weight.new_zeros(0, dtype=torch.float32))
         if self.packed:
             with torch.no_grad():
                 w = torch.cat([x.detach() for x in weights]) if len(weights) > 1 else weights[0].detach()
                 self.weight = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 1)
-                if any(b is not None for b in biases):
-                    self.bias = torch.cat(
-                        [
-                            b.detach() if b is not None else w.new_zeros(n)
-                            for b, n in zip(biases, self.sizes, strict=True)
-                        ]
-                    )
+                self.bias = self._cat_bias(biases, w)
+
+    def _cat_bias(self, biases: Sequence[torch.Tensor | None], like: torch.Tensor) -> torch.Tensor | None:
+        """The layers' biases concatenated (zeros for layers without), or None if none has one."""
+        if all(b is None for b in biases):
+            return None
+        dtype = next(b.dtype for b in biases if b is not None)
+        return torch.cat(
+            [
+                b.detach() if b is not None else like.new_zeros(n, dtype=dtype)
+                for b, n in zip(biases, self.sizes, strict=True)
+            ]
+        )
 
     @staticmethod
     def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -62,6 +133,11 @@ class FusedLinear:
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Outputs of every layer for input rows ``x`` [T, in_features] -> ([T, out_i], ...)."""
+        if self.int8:
+            y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self.scale).to(x.dtype)
+            if self.bias is not None:
+                y = y + self.bias.to(x.dtype)
+            return tuple(y.split(self.sizes, dim=-1)) if len(self.sizes) > 1 else (y,)
         if self.packed:
             y = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
             return tuple(y.split(self.sizes, dim=-1)) if len(self.sizes) > 1 else (y,)
@@ -105,5 +181,44 @@ def pack_linears(module: nn.Module) -> int:
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and _plain(child.weight) and _plain(child.bias):
                 setattr(parent, name, PackedLinear(child))
+                count += 1
+    return count
+
+
+class Int8Linear(nn.Module):
+    """An ``nn.Linear`` computed with a per-row int8 copy of its weight (inference only; the float
+    ``weight``/``bias`` stay registered). Built by ``int8_linears``."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self._fused = FusedLinear([Int8Head(linear)], pack=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> [..., out] through the int8 GEMM."""
+        if torch.is_grad_enabled() and self.weight.requires_grad:
+            return nn.functional.linear(x, self.weight, self.bias)  # training: keep autograd
+        lead = x.shape[:-1]
+        (y,) = self._fused(x.reshape(-1, self.in_features))
+        return y.view(*lead, self.out_features)
+
+
+def int8_linears(module: nn.Module) -> int:
+    """Replace every plain ``nn.Linear`` inside ``module`` by an ``Int8Linear`` (a drafter beside an
+    int8 target: its proposals need not be exact, only cheap; the output stays lossless).
+
+    Returns:
+        How many layers were replaced (0 where the int8 kernel does not run).
+    """
+    params = list(module.parameters())
+    if not params or not int8_kernel_available(params[0].device):
+        return 0
+    count = 0
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and _plain(child.weight) and _plain(child.bias):
+                setattr(parent, name, Int8Linear(child))
                 count += 1
     return count

@@ -66,7 +66,10 @@ class TargetModel:
         embed: its input embedding module.
         lm_head: its output head.
         layers: its decoder layers.
+        int8: its projections and head run through the int8 GEMM (``LeanTarget`` of an int8 target).
     """
+
+    int8: bool = False
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model.eval()
