@@ -6,8 +6,8 @@ Rows (each: one warm-up prompt, then every prompt of the set; decode tok/s exclu
   target converted to bf16, and the shipped Q4_K_M), plain decoding, read from llama.cpp's own
   ``timings``; ``--llama-ngram`` adds its model-free ngram speculation on the same files;
 - dflash on the embedded pair (or ``--target/--drafter``): plain (``ar``) and DFlash, for each
-  precision in ``--quantize`` (``none`` = bf16, ``int8``, ``int4``), with the lean target
-  forward; ``--with-hf`` adds transformers' own forward (the step before the lean engine).
+  precision in ``--quantize`` (``none`` = float weights in each of ``--float-dtypes``, ``int8``,
+  ``int4`` with the machine's default activation dtype), with the lean target forward; ``--with-hf`` adds transformers' own forward (the step before the lean engine).
 
 The verify length is measured for this machine at the start of each dflash pair (as ``dflash run``
 does on first use). Prints a Markdown table of medians; ``--out FILE`` keeps every number as JSON.
@@ -92,50 +92,56 @@ def dflash_rows(args: argparse.Namespace, prompt_texts: list[str]) -> list[dict[
     torch.set_num_threads(args.threads)
     rows = []
     params = SamplingParams(max_new_tokens=args.max_tokens)
-    for quant in args.quantize:
-        for engine in ["lean", "hf"] if args.with_hf and quant == "none" else ["lean"]:
-            ref = ModelRef(target=args.target, drafter=args.drafter) if args.target else ModelRef()
-            opts = LoadOptions(quantize=None if quant == "none" else quant, offline=True)
-            if args.models_dir:
-                opts = LoadOptions(quantize=opts.quantize, offline=True, models_dir=Path(args.models_dir))
-            pipe = load_pipeline(ref, RuntimeConfig(device="cpu", dtype="bfloat16", engine=engine), opts)
-            if engine == "hf":
-                assert type(pipe.target) is TargetModel
-            with tempfile.TemporaryDirectory() as tmp:
-                pipe.costs = cached_costs(pipe, Path(tmp) / "calibration.json")  # measured now, on this machine
-            ids = [pipe.encode(t) for t in prompt_texts]
-            label = "bf16" if quant == "none" else quant
-            outputs: dict[str, list[list[int]]] = {}
-            for method in ("ar", "dflash"):
-                dopts = DecodeOptions(decoder=method)
-                speeds, taus, verify, steps, committed = [], [], 0, 0, 0.0
-                outs = []
-                for i, p in enumerate([ids[0], *ids]):
-                    toks: list[int] = []
-                    for ev in pipe.stream(p, params, dopts):
-                        if isinstance(ev, Finished):
-                            st = ev.stats
-                        else:
-                            toks.extend(t.token_id for t in ev.tokens)
-                    if i == 0:
-                        continue
-                    outs.append(toks)
-                    speeds.append(st.decode_tokens_per_second)
-                    taus.append(st.tau)
-                    verify = f"tree {st.tree_budget}" if st.tree_budget else st.verify_length
-                    steps += st.verify_steps
-                    committed += st.tau * st.verify_steps
-                outputs[method] = outs
-                row = {"engine": f"dflash ({engine})", "weights": label, "method": method, "tok_s": speeds}
-                if method == "dflash":
-                    row["tau"] = committed / steps if steps else 1.0
-                    row["verify"] = verify
-                    row["same_as_ar"] = sum(a == b for a, b in zip(outputs["ar"], outs, strict=True))
-                rows.append(row)
-                print(
-                    f"  dflash {engine} {label} {method}: median {statistics.median(speeds):.2f} tok/s", file=sys.stderr
-                )
-            del pipe
+    from runtime.engine.device import dtype_name
+
+    configs = [
+        (quant, dtype, engine)
+        for quant in args.quantize
+        for dtype in (args.float_dtypes if quant == "none" else ["auto"])
+        for engine in (["lean", "hf"] if args.with_hf and quant == "none" else ["lean"])
+    ]
+    for quant, dtype, engine in configs:
+        ref = ModelRef(target=args.target, drafter=args.drafter) if args.target else ModelRef()
+        opts = LoadOptions(quantize=None if quant == "none" else quant, offline=True)
+        if args.models_dir:
+            opts = LoadOptions(quantize=opts.quantize, offline=True, models_dir=Path(args.models_dir))
+        pipe = load_pipeline(ref, RuntimeConfig(device="cpu", dtype=dtype, engine=engine), opts)
+        if engine == "hf":
+            assert type(pipe.target) is TargetModel
+        with tempfile.TemporaryDirectory() as tmp:
+            pipe.costs = cached_costs(pipe, Path(tmp) / "calibration.json")  # measured now, on this machine
+        ids = [pipe.encode(t) for t in prompt_texts]
+        short = {"bfloat16": "bf16", "float32": "fp32"}.get(dtype_name(pipe.dtype), dtype_name(pipe.dtype))
+        label = short if quant == "none" else f"{quant} ({short} act.)"
+        outputs: dict[str, list[list[int]]] = {}
+        for method in ("ar", "dflash"):
+            dopts = DecodeOptions(decoder=method)
+            speeds, taus, verify, steps, committed = [], [], 0, 0, 0.0
+            outs = []
+            for i, p in enumerate([ids[0], *ids]):
+                toks: list[int] = []
+                for ev in pipe.stream(p, params, dopts):
+                    if isinstance(ev, Finished):
+                        st = ev.stats
+                    else:
+                        toks.extend(t.token_id for t in ev.tokens)
+                if i == 0:
+                    continue
+                outs.append(toks)
+                speeds.append(st.decode_tokens_per_second)
+                taus.append(st.tau)
+                verify = f"tree {st.tree_budget}" if st.tree_budget else st.verify_length
+                steps += st.verify_steps
+                committed += st.tau * st.verify_steps
+            outputs[method] = outs
+            row = {"engine": f"dflash ({engine})", "weights": label, "method": method, "tok_s": speeds}
+            if method == "dflash":
+                row["tau"] = committed / steps if steps else 1.0
+                row["verify"] = verify
+                row["same_as_ar"] = sum(a == b for a, b in zip(outputs["ar"], outs, strict=True))
+            rows.append(row)
+            print(f"  dflash {engine} {label} {method}: median {statistics.median(speeds):.2f} tok/s", file=sys.stderr)
+        del pipe
     return rows
 
 
@@ -149,6 +155,12 @@ def main() -> None:
     ap.add_argument("-n", "--max-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quantize", default="none,int4", help="comma list of none,int8,int4 (default none,int4)")
+    ap.add_argument(
+        "--float-dtypes",
+        default="bfloat16",
+        help="comma list of dtypes for the unquantized rows (bfloat16,float32); quantized rows use the "
+        "machine's default activation dtype (dflash's --dtype auto)",
+    )
     ap.add_argument("--with-hf", action="store_true", help="also transformers' forward on bf16 (the step before)")
     ap.add_argument("--target")
     ap.add_argument("--drafter")
@@ -157,6 +169,7 @@ def main() -> None:
     ap.add_argument("--out")
     args = ap.parse_args()
     args.quantize = [q.strip() for q in args.quantize.split(",") if q.strip()]
+    args.float_dtypes = [d.strip() for d in args.float_dtypes.split(",") if d.strip()]
 
     from runtime.bench.datasets import load_dataset
 
