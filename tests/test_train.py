@@ -490,11 +490,12 @@ def test_cli_train_from_an_existing_drafter(tiny, tmp_path, monkeypatch):
 
     second = tmp_path / "second"
     args = [*base, "--out", str(second), "--from-drafter", str(first / "drafter"), "--steps", "2"]
-    args += ["--draft-vocab", "auto"]
+    args += ["--draft-vocab", "auto", "--train-precision", "fp32"]
     monkeypatch.setattr(sys, "argv", ["dflash", *args])
     r = CliRunner().invoke(app, args)
     assert r.exit_code == 0, r.output
     start_loss = history(second)[0]["val_loss"]  # step 0: before any update
+    assert load_trainer_state(second / "checkpoint")["config"]["bf16"] is False
     assert start_loss < (fresh_loss + trained_loss) / 2  # starts where the first run ended, not from scratch
     cfg = json.loads((second / "drafter" / "config.json").read_text())
     assert cfg["dflash_config"]["target_layer_ids"] == [1, 3] and cfg["block_size"] == 4

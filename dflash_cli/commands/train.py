@@ -101,6 +101,13 @@ def train(
     anchors: Annotated[int, typer.Option("--anchors", help="Blocks per sequence per step.")] = 48,
     seqs_per_step: Annotated[int, typer.Option("--seqs-per-step", help="Sequences per step.")] = 2,
     max_len: Annotated[int, typer.Option("--max-len", help="Tokens per training sequence.")] = 640,
+    precision: Annotated[
+        str,
+        typer.Option(
+            "--train-precision",
+            help="auto (bf16 autocast on GPUs and CPUs with native bf16, float32 on others), bf16 or fp32.",
+        ),
+    ] = "auto",
     resume: Annotated[bool, typer.Option("--resume", help="Continue OUT/checkpoint.")] = False,
     extend: Annotated[
         bool, typer.Option("--extend", help="With --resume: a new warm-up + cosine segment (continue a finished run).")
@@ -135,6 +142,8 @@ def train(
         raise typer.BadParameter(f"--distill must be hard or soft, got {distill!r}")
     if init not in ("random", "target"):
         raise typer.BadParameter(f"--init must be random or target, got {init!r}")
+    if precision not in ("auto", "bf16", "fp32"):
+        raise typer.BadParameter(f"--train-precision must be auto, bf16 or fp32, got {precision!r}")
     if not data_only and not resume and steps is None and budget is None:
         raise typer.BadParameter("give --steps or --time-budget (or --data-only)")
     tap_ids = tuple(parse_ids(taps)) if taps else None
@@ -166,6 +175,7 @@ def train(
             distill=distill,
             soft_weight=soft_weight,
             eval_every=eval_every,
+            bf16=_train_bf16(precision, device),
         )
     out.mkdir(parents=True, exist_ok=True)
     data_dir = data or out / "data"
@@ -232,6 +242,21 @@ def train(
     path = export(out, evaluation, card)
     say(f"drafter saved to {path}")
     print(path)
+
+
+def _train_bf16(precision: str, device: str) -> bool:
+    """--train-precision: bf16 autocast where bf16 matmuls are native; float32 where they are
+    emulated (a CPU without AVX512-BF16/AMX runs bf16 GEMMs several times slower than float32)."""
+    if precision != "auto":
+        return precision == "bf16"
+    from runtime.engine.device import cpu_has_fast_bf16, resolve_device
+
+    dev = resolve_device(device)
+    if dev.type == "cuda":
+        import torch
+
+        return bool(torch.cuda.is_bf16_supported())
+    return dev.type == "cpu" and cpu_has_fast_bf16()
 
 
 def _source_drafter(text: str) -> Path:
