@@ -1,7 +1,8 @@
 """Projections of the lean forward: one GEMM per fused group of ``nn.Linear`` layers.
 
 On a CPU, PyTorch's bf16 ``F.linear`` re-lays out the weight for oneDNN on every call; for a
-decode step (1-16 rows) that costs more than the multiply itself. ``FusedLinear`` packs the
+decode step (1-16 rows) that costs more than the multiply itself (and float32 ``F.linear`` goes to
+a BLAS whose small-row GEMMs run at half the packed kernel's speed on AVX2 CPUs). ``FusedLinear`` packs the
 (concatenated) weight once into oneDNN's blocked layout (``mkldnn._reorder_linear_weight``, the
 op torch.compile's CPU backend emits for frozen weights) and calls the packed GEMM
 (``mkldnn._linear_pointwise``): same kernel family, same results, several times less time per
@@ -9,11 +10,11 @@ call. Where packing is unavailable (CUDA, float16, a torch without oneDNN bf16) 
 called as they are.
 
 int8 weight-only weights (torchao ``Int8Tensor``: int8 values + one scale per output row, what
-``--quantize int8`` makes) are fused the same way on a CPU and computed with ATen's
-``_weight_int8pack_mm``, which reads the int8 weights directly (a quarter of float32's bytes) and
-accumulates in float32; its activations and scales are bfloat16, its output is rounded to bfloat16
-and then cast to the caller's dtype. The module call (torchao's own linear) de-quantizes the whole
-weight to the activation dtype on every call instead.
+``--quantize int8`` makes) are fused the same way on a CPU and computed by dflash's native int8 GEMM
+(``runtime.engine.kernels``: float32 activations and accumulation, the int8 weights read directly,
+a quarter of float32's bytes) or, where it cannot be built, ATen's ``_weight_int8pack_mm`` (bf16
+activations and scales, output rounded to bf16). The module call (torchao's own linear)
+de-quantizes the whole weight to the activation dtype on every call instead.
 """
 
 from __future__ import annotations
@@ -98,11 +99,17 @@ class FusedLinear:
             and all(_plain(b) for b in biases)
             and int8_kernel_available(weights[0].device)
         )
+        self.native: Any = None  # int8 mode: the compiled kernel (runtime.engine.kernels), else ATen's
         if self.int8:
+            from runtime.engine.kernels import int8_gemm
+
+            self.native = int8_gemm()
+            scale_dtype = torch.float32 if self.native is not None else torch.bfloat16
             with torch.no_grad():
                 self.weight = torch.cat([p[0] for p in parts if p is not None]).contiguous()
-                self.scale = torch.cat([p[1] for p in parts if p is not None]).to(torch.bfloat16).contiguous()
-                self.bias = self._cat_bias(biases, self.weight.new_zeros(0, dtype=torch.float32))
+                self.scale = torch.cat([p[1] for p in parts if p is not None]).to(scale_dtype).contiguous()
+                bias = self._cat_bias(biases, self.weight.new_zeros(0, dtype=torch.float32))
+                self.bias = bias.float().contiguous() if bias is not None else None
         if self.packed:
             with torch.no_grad():
                 w = torch.cat([x.detach() for x in weights]) if len(weights) > 1 else weights[0].detach()
@@ -123,9 +130,15 @@ class FusedLinear:
 
     @staticmethod
     def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-        """True where packed oneDNN GEMMs run: a CPU with oneDNN bf16 support, bf16 weights."""
-        if device.type != "cpu" or dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
+        """True where packed oneDNN GEMMs run: a CPU with oneDNN, float32 weights, or bf16 weights
+        where oneDNN has native bf16 (AVX512-BF16/AMX). Packed float32 runs a decode step's small
+        GEMMs about twice as fast as ``F.linear`` on an AVX2 CPU, measured (README "Speed")."""
+        if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
             return False
+        if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
+            return False
+        if dtype == torch.float32:
+            return True
         try:
             return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
         except (AttributeError, RuntimeError):
@@ -134,9 +147,12 @@ class FusedLinear:
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Outputs of every layer for input rows ``x`` [T, in_features] -> ([T, out_i], ...)."""
         if self.int8:
-            y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self.scale).to(x.dtype)
-            if self.bias is not None:
-                y = y + self.bias.to(x.dtype)
+            if self.native is not None:
+                y = self.native(x, self.weight, self.scale, self.bias).to(x.dtype)
+            else:
+                y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self.scale).to(x.dtype)
+                if self.bias is not None:
+                    y = y + self.bias.to(x.dtype)
             return tuple(y.split(self.sizes, dim=-1)) if len(self.sizes) > 1 else (y,)
         if self.packed:
             y = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")

@@ -1,0 +1,95 @@
+"""The native int8 GEMM (runtime.engine.kernels): the math of int8 weight-only linears in float32,
+every input row computed exactly as it would be alone (the lossless contract of greedy DFlash),
+and a clean fallback to ATen's kernel where it cannot be built."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from runtime.engine import kernels
+
+gemm = kernels.int8_gemm()
+needs_native = pytest.mark.skipif(gemm is None, reason=f"native kernel unavailable: {kernels.why_not()}")
+
+
+def _weights(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    return q, torch.rand(n, generator=g) / 50, torch.randn(n, generator=g)
+
+
+@needs_native
+@pytest.mark.parametrize(("n", "k"), [(64, 896), (37, 77), (5, 32), (130, 4864)])
+def test_int8_gemm_computes_the_dequantized_product(n, k):
+    q, s, b = _weights(n, k, seed=n + k)
+    x = torch.randn(9, k)
+    ref = x.double() @ (q.double() * s.double()[:, None]).T + b.double()
+    y = gemm(x, q, s, b)
+    assert y.dtype == torch.float32 and y.shape == (9, n)
+    assert float((y.double() - ref).abs().max() / ref.abs().max()) < 1e-5
+    torch.testing.assert_close(gemm(x, q, s, None), y - b)
+
+
+@needs_native
+@pytest.mark.parametrize("k", [896, 77, 33])
+def test_every_row_is_computed_as_if_alone(k):
+    """A verify block of T rows gives, row for row, bit-identical results to T one-row calls."""
+    q, s, b = _weights(48, k, seed=k)
+    x = torch.randn(33, k)
+    for t in (2, 3, 4, 7, 8, 9, 16, 17, 33):
+        block = gemm(x[:t], q, s, b)
+        alone = torch.cat([gemm(x[i : i + 1], q, s, b) for i in range(t)])
+        assert torch.equal(block, alone), t
+
+
+@needs_native
+def test_threads_do_not_change_results():
+    q, s, b = _weights(200, 896, seed=3)
+    x = torch.randn(5, 896)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = gemm(x, q, s, b)
+        torch.set_num_threads(2)
+        two = gemm(x, q, s, b)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+def test_disabled_native_kernel_falls_back_with_one_line(tmp_path):
+    """DFLASH_NATIVE=0 (or no compiler / no AVX2): int8_gemm() is None, one line on stderr says why,
+    and int8 linears still run (ATen's kernel)."""
+    code = (
+        "import torch; from runtime.engine import kernels; from runtime.engine.linear import Int8Head, FusedLinear\n"
+        "assert kernels.int8_gemm() is None and kernels.why_not() == 'DFLASH_NATIVE=0'\n"
+        "lin = torch.nn.Linear(64, 16)\n"
+        "f = FusedLinear([Int8Head(lin)], pack=False)\n"
+        "assert f.int8 and f.native is None\n"
+        "y = f(torch.randn(3, 64))[0]\n"
+        "assert y.shape == (3, 16)\n"
+    )
+    env = {**os.environ, "DFLASH_NATIVE": "0", "DFLASH_HOME": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if "native int8 kernel" in ln]
+    assert lines == ["dflash: native int8 kernel unavailable (DFLASH_NATIVE=0); using ATen's int8 GEMM"]
+
+
+def test_no_compiler_falls_back(tmp_path):
+    code = (
+        "from runtime.engine import kernels\n"
+        "fn = kernels.int8_gemm()\n"
+        "print('none' if fn is None else 'built', kernels.why_not())\n"
+    )
+    env = {**os.environ, "DFLASH_HOME": str(tmp_path), "PATH": str(tmp_path), "CC": "no-such-cc"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    if "x86-64" in r.stdout or "AVX2" in r.stdout:
+        pytest.skip(r.stdout)
+    assert r.stdout.startswith("none no C compiler"), r.stdout
