@@ -146,6 +146,28 @@ def test_packed_bf16_matches_unpacked():
     assert "fc.weight" in drafter.state_dict()  # saving is unchanged
 
 
+@pytest.mark.skipif(not FusedLinear.can_pack(torch.device("cpu"), torch.float32), reason="no oneDNN here")
+def test_packed_float32_matches_unpacked():
+    """float32 weights are packed too (oneDNN's small-row GEMMs beat the BLAS path on AVX2 CPUs): the
+    same logits up to float32 rounding, the same greedy tokens, for the target and the drafter."""
+    model = make_target("qwen3", vocab_size=96, seed=7)
+    hf, lean = TargetModel(model), LeanTarget(model)
+    assert lean.packed and all(lay.qkv.packed and lay.down.packed for lay in lean.lean_layers)
+    with torch.inference_mode():
+        x = _ids(11, 96, seed=4)
+        l1, f1 = hf.forward(x, hf.new_cache())
+        l2, f2 = lean.forward(x, lean.new_cache())
+    torch.testing.assert_close(l2, l1, rtol=1e-4, atol=1e-4)
+    assert torch.equal(l1.argmax(-1), l2.argmax(-1))
+    drafter = make_drafter(model.config, block_size=4)
+    x = torch.randn(3, 5, drafter.fc.in_features)
+    with torch.inference_mode():
+        before = drafter.fuse_context(x)
+        assert pack_linears(drafter) > 0
+        after = drafter.fuse_context(x)
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
+
+
 def test_calibration_key_names_quantization_and_engine():
     from runtime.engine.calibrate import cache_key
 
