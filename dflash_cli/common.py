@@ -4,6 +4,7 @@ Only the CLI reads environment variables:
   DFLASH_ENGINE    the target forward: auto (default), lean or hf (same as --engine on run/bench)
   DFLASH_HOME      dflash's data root (default: the platform user cache dir, e.g. ~/.cache/dflash)
   DFLASH_DEBUG=1   show full tracebacks instead of one-line errors
+  DFLASH_NATIVE=0  do not build or use dflash's native CPU kernels (int8 GEMM; ATen's are used)
   HF_HUB_OFFLINE=1 never use the network (same as --offline); HF_HOME / HF_TOKEN as in huggingface_hub
 """
 
@@ -132,6 +133,14 @@ def data_home() -> Path:
     return Path(user_cache_dir("dflash", appauthor=False))
 
 
+def configure_kernels() -> None:
+    """Native CPU kernels: on unless DFLASH_NATIVE=0, compiled into $DFLASH_HOME/kernels."""
+    from runtime.engine import kernels
+
+    off = os.environ.get("DFLASH_NATIVE", "1").strip().lower() in ("0", "false", "no", "off")
+    kernels.configure(enabled=not off, cache=data_home() / "kernels")
+
+
 def models_dir() -> Path:
     """Where dflash keeps models it converts (the embedded target)."""
     return data_home() / "models"
@@ -203,6 +212,7 @@ def session_options(
 
     if server and (target or drafter):
         raise typer.BadParameter("--server excludes --target/--drafter: the server decides the models")
+    configure_kernels()
     hf_cache = os.environ.get("HF_HUB_CACHE")
     return SessionOptions(
         model=model,

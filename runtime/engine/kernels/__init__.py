@@ -6,10 +6,12 @@ bandwidth on AVX2 CPUs and takes bf16 activations; this one reads each weight ro
 for all rows of a verify block, and computes every row exactly as it would alone (the lossless
 contract of greedy DFlash).
 
-The shared library is built with the system C compiler (``cc``/``gcc``/``clang``, or ``$CC``) into
-``$DFLASH_HOME/kernels`` (default ``~/.cache/dflash/kernels``), keyed by a hash of the source and
-flags, and loaded with ctypes. Where there is no compiler, no AVX2/FMA, or ``DFLASH_NATIVE=0``,
-``int8_gemm()`` returns None and callers use ATen's kernel instead (one line on stderr says why).
+The shared library is built with the system C compiler (``cc``, ``gcc`` or ``clang`` on PATH) into
+a cache folder (``configure``; default ``~/.cache/dflash/kernels``, the CLI passes
+``$DFLASH_HOME/kernels``), keyed by a hash of the source and flags, and loaded with ctypes. Where
+there is no compiler, no AVX2/FMA, or native kernels are switched off (``configure(enabled=False)``;
+the CLI's ``DFLASH_NATIVE=0``), ``int8_gemm()`` returns None and callers use ATen's kernel instead
+(one line on stderr says why).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -33,12 +36,22 @@ Int8Gemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | N
 
 _loaded: dict[str, Int8Gemm | None] = {}
 _why_not: dict[str, str] = {}
+_settings: dict[str, Any] = {"enabled": True, "cache": None}
+
+
+def configure(enabled: bool = True, cache: Path | None = None) -> None:
+    """Process-wide settings, before the first model loads: use native kernels at all, and where to
+    keep compiled ones (None: ``~/.cache/dflash/kernels``). Changing them forgets a loaded kernel."""
+    if enabled != _settings["enabled"] or cache != _settings["cache"]:
+        _loaded.clear()
+        _why_not.clear()
+    _settings.update(enabled=enabled, cache=cache)
 
 
 def cache_dir() -> Path:
     """Where compiled kernels are kept."""
-    home = os.environ.get("DFLASH_HOME")
-    return (Path(home) if home else Path.home() / ".cache" / "dflash") / "kernels"
+    cache = _settings["cache"]
+    return Path(cache) if cache is not None else Path.home() / ".cache" / "dflash" / "kernels"
 
 
 def _cpu_ok() -> str | None:
@@ -54,8 +67,8 @@ def _cpu_ok() -> str | None:
 
 
 def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
+    for name in ("cc", "gcc", "clang"):
+        if shutil.which(name):
             return name
     return None
 
@@ -82,8 +95,8 @@ def int8_gemm() -> Int8Gemm | None:
         return _loaded["int8"]
     fn = None
     why = None
-    if os.environ.get("DFLASH_NATIVE", "1") == "0":
-        why = "DFLASH_NATIVE=0"
+    if not _settings["enabled"]:
+        why = "switched off: DFLASH_NATIVE=0"
     else:
         why = _cpu_ok()
     if why is None:
