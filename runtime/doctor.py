@@ -21,7 +21,7 @@ from typing import Any, Literal
 import torch
 
 from runtime.config import RuntimeConfig
-from runtime.engine.device import cpu_has_fast_bf16, device_description, dtype_name, resolve_device, resolve_dtype
+from runtime.engine.device import cpu_bf16_decodes_fast, device_description, dtype_name, resolve_device, resolve_dtype
 from runtime.engine.drafter import DraftModelConfig
 from runtime.errors import ConfigError, DFlashError, ModelLoadError, ModelNotFoundError
 from runtime.models import embedded, presets
@@ -218,7 +218,7 @@ def _dtype(runtime: RuntimeConfig, device: torch.device) -> tuple[Check, torch.d
     except ConfigError as e:
         return _fail("dtype", e, "use --dtype auto, bfloat16 or float32"), torch.float32
     name = dtype_name(dtype)
-    if device.type == "cpu" and dtype == torch.bfloat16 and not cpu_has_fast_bf16():
+    if device.type == "cpu" and dtype == torch.bfloat16 and not cpu_bf16_decodes_fast():
         return (
             Check("dtype", "warn", f"{name} on a CPU without native bf16 is slow", "use --dtype float32 (or auto)"),
             dtype,

@@ -1,6 +1,6 @@
-"""The native int8 GEMM (runtime.engine.kernels): the math of int8 weight-only linears in float32,
-every input row computed exactly as it would be alone (the lossless contract of greedy DFlash),
-and a clean fallback to ATen's kernel where it cannot be built."""
+"""The native GEMMs (runtime.engine.kernels): int8 weights x activations rounded per row to 15-bit
+integers, and bf16 weights x float32 activations; every input row computed exactly as it would be
+alone (the lossless contract of greedy DFlash), and a clean fallback where they cannot be built."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 from runtime.engine import kernels
 
 gemm = kernels.int8_gemm()
+bf16 = kernels.bf16_gemm()
 needs_native = pytest.mark.skipif(gemm is None, reason=f"native kernel unavailable: {kernels.why_not()}")
 
 
@@ -28,22 +29,49 @@ def _weights(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, tor
 def test_int8_gemm_computes_the_dequantized_product(n, k):
     q, s, b = _weights(n, k, seed=n + k)
     x = torch.randn(9, k)
+    x[3, 5 % k] = 40.0  # an outlier sets its row's scale, not the others'
     ref = x.double() @ (q.double() * s.double()[:, None]).T + b.double()
     y = gemm(x, q, s, b)
     assert y.dtype == torch.float32 and y.shape == (9, n)
-    assert float((y.double() - ref).abs().max() / ref.abs().max()) < 1e-5
+    # exactly the product of the activations rounded per row to multiples of max|row| / 16383
+    xs = x.abs().amax(dim=1, keepdim=True) / 16383
+    xr = torch.round(x / xs).double() * xs.double()
+    exact = xr @ (q.double() * s.double()[:, None]).T + b.double()
+    assert float((y.double() - exact).abs().max() / exact.abs().max()) < 1e-5  # float32 scaling
+    # which is within the rounding of 15-bit activations of the float product: half a step of the
+    # row's scale per weight at most
+    bound = 0.5 * xs.double() * (q.double().abs() * s.double()[:, None]).sum(dim=1) + 1e-5 * ref.abs()
+    assert bool(((y.double() - ref).abs() <= bound).all())
     torch.testing.assert_close(gemm(x, q, s, None), y - b)
+
+
+@needs_native
+@pytest.mark.parametrize(("n", "k"), [(64, 896), (37, 77), (5, 32), (130, 4864)])
+def test_bf16_gemm_computes_the_float_product(n, k):
+    g = torch.Generator().manual_seed(n * k)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    b = torch.randn(n, generator=g)
+    x = torch.randn(9, k, generator=g)
+    ref = x.double() @ w.double().T + b.double()
+    y = bf16(x, w, b)
+    assert y.dtype == torch.float32 and y.shape == (9, n)
+    assert float((y.double() - ref).abs().max() / ref.abs().max()) < 1e-5
+    torch.testing.assert_close(bf16(x, w, None), y - b)
 
 
 @needs_native
 @pytest.mark.parametrize("k", [896, 77, 33])
 def test_every_row_is_computed_as_if_alone(k):
     """A verify block of T rows gives, row for row, bit-identical results to T one-row calls."""
-    q, s, b = _weights(48, k, seed=k)
+    q, s, b = _weights(49, k, seed=k)  # an odd row count: the last weight row has no partner
+    w16 = (torch.randn(49, k) / 10).to(torch.bfloat16)
     x = torch.randn(33, k)
     for t in (2, 3, 4, 7, 8, 9, 16, 17, 33):
         block = gemm(x[:t], q, s, b)
         alone = torch.cat([gemm(x[i : i + 1], q, s, b) for i in range(t)])
+        assert torch.equal(block, alone), t
+        block = bf16(x[:t], w16, b)
+        alone = torch.cat([bf16(x[i : i + 1], w16, b) for i in range(t)])
         assert torch.equal(block, alone), t
 
 
@@ -53,13 +81,14 @@ def test_threads_do_not_change_results():
     x = torch.randn(5, 896)
     before = torch.get_num_threads()
     try:
+        w16 = torch.randn(200, 896).to(torch.bfloat16)
         torch.set_num_threads(1)
-        one = gemm(x, q, s, b)
+        one, one16 = gemm(x, q, s, b), bf16(x, w16, b)
         torch.set_num_threads(2)
-        two = gemm(x, q, s, b)
+        two, two16 = gemm(x, q, s, b), bf16(x, w16, b)
     finally:
         torch.set_num_threads(before)
-    assert torch.equal(one, two)
+    assert torch.equal(one, two) and torch.equal(one16, two16)
 
 
 def test_disabled_native_kernel_falls_back_with_one_line(tmp_path):

@@ -179,7 +179,7 @@ def train(
         )
     out.mkdir(parents=True, exist_ok=True)
     data_dir = data or out / "data"
-    session = session_options(model, target, "none", device, dtype, offline, threads=threads)
+    session = session_options(model, target, "none", device, _train_dtype(dtype, device), offline, threads=threads)
     pipe = open_pipeline(session)
     if pipe.tokenizer is None:
         raise typer.BadParameter("the target has no tokenizer; dflash train needs one to build prompts")
@@ -242,6 +242,17 @@ def train(
     path = export(out, evaluation, card)
     say(f"drafter saved to {path}")
     print(path)
+
+
+def _train_dtype(dtype: Any, device: str) -> Any:
+    """--dtype for building data and training: auto stays float32 on CPUs that emulate bf16 matmuls
+    (the batched forward of data generation runs transformers' GEMMs, not the decode kernels that
+    make bf16 the faster choice for decoding there)."""
+    if getattr(dtype, "value", dtype) != "auto":
+        return dtype
+    from runtime.engine.device import cpu_has_fast_bf16, resolve_device
+
+    return dtype if resolve_device(device).type != "cpu" or cpu_has_fast_bf16() else "float32"
 
 
 def _train_bf16(precision: str, device: str) -> bool:

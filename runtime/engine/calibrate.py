@@ -195,8 +195,8 @@ def _interpolate(measured: dict[int, float], top: int) -> list[float]:
 
 
 def cache_key(pipeline: Any) -> str:
-    """Identity of a measurement: model, quantization scheme, target forward (lean or transformers),
-    drafter shape, device, dtype, threads, torch version."""
+    """Identity of a measurement: model, quantization scheme, target forward (lean or transformers,
+    and which native CPU kernels it runs), drafter shape, device, dtype, threads, torch version."""
     d = pipeline.describe()
     drafter = pipeline.drafter
     shape = (
@@ -206,6 +206,10 @@ def cache_key(pipeline: Any) -> str:
     )
     quant = d.get("quantization") or "none"
     engine = "lean" if type(pipeline.target).__name__ == "LeanTarget" else "hf"
+    if engine == "lean" and d["device"].startswith("cpu"):
+        from runtime.engine import kernels
+
+        engine += "+" + kernels.identity()
     parts = [
         d["target"],
         quant,

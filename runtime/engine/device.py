@@ -39,9 +39,21 @@ def cpu_has_fast_bf16() -> bool:
         return False
 
 
+def cpu_bf16_decodes_fast() -> bool:
+    """True when bf16 weights decode faster than float32 on this CPU: oneDNN has native bf16, or
+    dflash's native bf16 GEMM runs here (AVX2 CPUs: half float32's bytes read per step, at
+    float32's arithmetic). Training keeps ``cpu_has_fast_bf16`` (its batched GEMMs need native bf16)."""
+    if cpu_has_fast_bf16():
+        return True
+    from runtime.engine import kernels
+
+    return kernels.bf16_gemm() is not None
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """Map a dtype name to a ``torch.dtype``; "auto" = bf16 on CUDA (fp16 without bf16), fp16 on
-    MPS, bf16 on CPUs with native bf16 and float32 on others.
+    MPS, bf16 on CPUs where it decodes faster than float32 (``cpu_bf16_decodes_fast``) and float32
+    on others.
 
     Raises:
         ConfigError: an unknown name, or float16 on CPU (too slow and inexact there).
@@ -51,7 +63,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         if device.type == "mps":
             return torch.float16
-        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+        return torch.bfloat16 if cpu_bf16_decodes_fast() else torch.float32
     if name not in _DTYPES:
         raise ConfigError(f"unknown dtype {name!r}; use auto, float32, bfloat16 or float16")
     if name == "float16" and device.type == "cpu":

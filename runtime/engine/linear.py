@@ -6,14 +6,17 @@ a BLAS whose small-row GEMMs run at half the packed kernel's speed on AVX2 CPUs)
 (concatenated) weight once into oneDNN's blocked layout (``mkldnn._reorder_linear_weight``, the
 op torch.compile's CPU backend emits for frozen weights) and calls the packed GEMM
 (``mkldnn._linear_pointwise``): same kernel family, same results, several times less time per
-call. Where packing is unavailable (CUDA, float16, a torch without oneDNN bf16) the modules are
-called as they are.
+call. On CPUs where oneDNN has no native bf16 (AVX2, AVX-512 without BF16: it emulates bf16 GEMMs
+several times slower than float32), bf16 weights go to dflash's native bf16 GEMM instead
+(``runtime.engine.kernels``: the bf16 weights widened to float32 in registers, float32 accumulation,
+half float32's bytes read per step). Where neither runs (CUDA, float16) the modules are called as
+they are.
 
 int8 weight-only weights (torchao ``Int8Tensor``: int8 values + one scale per output row, what
 ``--quantize int8`` makes) are fused the same way on a CPU and computed by dflash's native int8 GEMM
-(``runtime.engine.kernels``: float32 activations and accumulation, the int8 weights read directly,
-a quarter of float32's bytes) or, where it cannot be built, ATen's ``_weight_int8pack_mm`` (bf16
-activations and scales, output rounded to bf16). The module call (torchao's own linear)
+(``runtime.engine.kernels``: activations rounded per row to 15-bit integers, exact integer dot
+products, the int8 weights read directly, a quarter of float32's bytes) or, where it cannot be
+built, ATen's ``_weight_int8pack_mm`` (bf16 activations and scales, output rounded to bf16). The module call (torchao's own linear)
 de-quantizes the whole weight to the activation dtype on every call instead.
 """
 
@@ -43,6 +46,22 @@ def _int8_parts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     if isinstance(zero, torch.Tensor) and bool(zero.any()):
         return None  # asymmetric: not this kernel's math
     return qdata, scale.reshape(-1)
+
+
+def _onednn_bf16() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _native_bf16() -> Any:
+    """dflash's bf16 GEMM where oneDNN has no native bf16 on this CPU (else None)."""
+    if _onednn_bf16():
+        return None
+    from runtime.engine.kernels import bf16_gemm
+
+    return bf16_gemm()
 
 
 def int8_kernel_available(device: torch.device) -> bool:
@@ -90,6 +109,10 @@ class FusedLinear:
         biases = [getattr(m, "bias", None) for m in self.modules]
         self.sizes = [int(w.shape[0]) for w in weights]
         self.packed = pack and all(_plain(w) for w in weights) and all(_plain(b) for b in biases)
+        self.bf16: Any = None  # bf16 mode: dflash's native bf16 GEMM (CPUs without oneDNN bf16)
+        if self.packed and weights[0].dtype == torch.bfloat16 and weights[0].device.type == "cpu":
+            self.bf16 = _native_bf16()
+            self.packed = self.bf16 is not None or _onednn_bf16()
         self.weight: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
         self.scale: torch.Tensor | None = None  # int8 mode: per-row scales (bf16)
@@ -113,8 +136,13 @@ class FusedLinear:
         if self.packed:
             with torch.no_grad():
                 w = torch.cat([x.detach() for x in weights]) if len(weights) > 1 else weights[0].detach()
-                self.weight = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 1)
-                self.bias = self._cat_bias(biases, w)
+                if self.bf16 is not None:
+                    self.weight = w.contiguous()
+                    bias = self._cat_bias(biases, w)
+                    self.bias = bias.float().contiguous() if bias is not None else None
+                else:
+                    self.weight = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 1)
+                    self.bias = self._cat_bias(biases, w)
 
     def _cat_bias(self, biases: Sequence[torch.Tensor | None], like: torch.Tensor) -> torch.Tensor | None:
         """The layers' biases concatenated (zeros for layers without), or None if none has one."""
@@ -130,19 +158,17 @@ class FusedLinear:
 
     @staticmethod
     def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-        """True where packed oneDNN GEMMs run: a CPU with oneDNN, float32 weights, or bf16 weights
-        where oneDNN has native bf16 (AVX512-BF16/AMX). Packed float32 runs a decode step's small
-        GEMMs about twice as fast as ``F.linear`` on an AVX2 CPU, measured (README "Speed")."""
+        """True where packed GEMMs run: a CPU with oneDNN and float32 weights; bf16 weights where
+        oneDNN has native bf16 (AVX512-BF16/AMX) or else dflash's native bf16 kernel builds. Packed
+        float32 runs a decode step's small GEMMs about twice as fast as ``F.linear`` on an AVX2 CPU,
+        measured (README "Speed")."""
         if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
             return False
+        if dtype == torch.bfloat16 and _native_bf16() is not None:
+            return True
         if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
             return False
-        if dtype == torch.float32:
-            return True
-        try:
-            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-        except (AttributeError, RuntimeError):
-            return False
+        return dtype == torch.float32 or _onednn_bf16()
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Outputs of every layer for input rows ``x`` [T, in_features] -> ([T, out_i], ...)."""
@@ -153,6 +179,9 @@ class FusedLinear:
                 y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.weight, self.scale).to(x.dtype)
                 if self.bias is not None:
                     y = y + self.bias.to(x.dtype)
+            return tuple(y.split(self.sizes, dim=-1)) if len(self.sizes) > 1 else (y,)
+        if self.bf16 is not None:
+            y = self.bf16(x, self.weight, self.bias).to(x.dtype)
             return tuple(y.split(self.sizes, dim=-1)) if len(self.sizes) > 1 else (y,)
         if self.packed:
             y = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")

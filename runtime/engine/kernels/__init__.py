@@ -1,10 +1,16 @@
 """Small native kernels for CPU decode steps, compiled on first use (no build step at install).
 
-``int8_gemm``: int8 weight-only GEMM with float32 activations and accumulation (AVX2 + FMA,
-OpenMP), ``int8_gemm.c``. ATen's own ``_weight_int8pack_mm`` reaches about a third of the memory
-bandwidth on AVX2 CPUs and takes bf16 activations; this one reads each weight row once per call
-for all rows of a verify block, and computes every row exactly as it would alone (the lossless
-contract of greedy DFlash).
+``gemm.c`` (AVX2 + FMA, OpenMP), float32 activations and accumulation:
+
+- ``int8_gemm``: int8 weight-only GEMM (one scale per output row). ATen's own
+  ``_weight_int8pack_mm`` reaches about a third of the memory bandwidth on AVX2 CPUs and takes
+  bf16 activations.
+- ``bf16_gemm``: bfloat16 weights, widened to float32 exactly. On CPUs without native bf16
+  (AVX2, AVX-512 without BF16) oneDNN and ATen emulate bf16 GEMMs several times slower than
+  float32; this reads half float32's bytes at float32's arithmetic.
+
+Both read each weight row once per call for all rows of a verify block, and compute every row
+exactly as it would alone (the lossless contract of greedy DFlash).
 
 The shared library is built with the system C compiler (``cc``, ``gcc`` or ``clang`` on PATH) into
 a cache folder (``configure``; default ``~/.cache/dflash/kernels``, the CLI passes
@@ -29,12 +35,13 @@ from typing import Any
 
 import torch
 
-SOURCE = Path(__file__).with_name("int8_gemm.c")
+SOURCE = Path(__file__).with_name("gemm.c")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
 
 Int8Gemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+Bf16Gemm = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
-_loaded: dict[str, Int8Gemm | None] = {}
+_loaded: dict[str, Any] = {}
 _why_not: dict[str, str] = {}
 _settings: dict[str, Any] = {"enabled": True, "cache": None}
 
@@ -88,20 +95,24 @@ def _build(dest: Path) -> str | None:
     return None
 
 
-def int8_gemm() -> Int8Gemm | None:
-    """The compiled int8 GEMM, ``f(x [M, K] f32, w [N, K] int8, scale [N] f32, bias [N] f32 | None)
-    -> y [M, N] f32``, or None where it cannot run here (see ``why_not``)."""
-    if "int8" in _loaded:
-        return _loaded["int8"]
-    fn = None
-    why = None
-    if not _settings["enabled"]:
-        why = "switched off: DFLASH_NATIVE=0"
-    else:
-        why = _cpu_ok()
+def _source_key() -> str:
+    return hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+
+
+def identity() -> str:
+    """Which native kernels a process runs ("native-<hash of source and flags>", or "off"): part of
+    the key of cached speed measurements, which a kernel change invalidates."""
+    return f"native-{_source_key()}" if _library() is not None else "off"
+
+
+def _library() -> ctypes.CDLL | None:
+    """The compiled kernels (built on first use), or None where they cannot run (see ``why_not``)."""
+    if "lib" in _loaded:
+        return _loaded["lib"]
+    lib = None
+    why = "switched off: DFLASH_NATIVE=0" if not _settings["enabled"] else _cpu_ok()
     if why is None:
-        key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
-        lib_path = cache_dir() / f"int8_gemm-{key}.so"
+        lib_path = cache_dir() / f"gemm-{_source_key()}.so"
         if not lib_path.exists():
             try:
                 why = _build(lib_path)
@@ -109,29 +120,81 @@ def int8_gemm() -> Int8Gemm | None:
                 why = f"build failed: {e}"
         if why is None:
             try:
-                fn = _wrap(ctypes.CDLL(str(lib_path)).dflash_int8_gemm)
-            except (OSError, AttributeError) as e:
+                lib = ctypes.CDLL(str(lib_path))
+            except OSError as e:
                 why = f"cannot load {lib_path.name}: {e}"
     if why is not None:
-        _why_not["int8"] = why
-        print(f"dflash: native int8 kernel unavailable ({why}); using ATen's int8 GEMM", file=sys.stderr)
-    _loaded["int8"] = fn
-    return fn
+        _why_not["lib"] = why
+    _loaded["lib"] = lib
+    return lib
+
+
+def int8_gemm() -> Int8Gemm | None:
+    """The compiled int8 GEMM, ``f(x [M, K] f32, w [N, K] int8, scale [N] f32, bias [N] f32 | None)
+    -> y [M, N] f32``, or None where it cannot run here (see ``why_not``)."""
+    if "int8" not in _loaded:
+        lib = _library()
+        _loaded["int8"] = _wrap_int8(lib.dflash_int8_gemm) if lib is not None else None
+        if lib is None:
+            print(f"dflash: native int8 kernel unavailable ({why_not()}); using ATen's int8 GEMM", file=sys.stderr)
+    return _loaded["int8"]
+
+
+def bf16_gemm() -> Bf16Gemm | None:
+    """The compiled bf16-weight GEMM, ``f(x [M, K] f32, w [N, K] bf16, bias [N] f32 | None) -> y [M, N]
+    f32``, or None where it cannot run here (see ``why_not``)."""
+    if "bf16" not in _loaded:
+        lib = _library()
+        _loaded["bf16"] = _wrap_bf16(lib.dflash_bf16_gemm) if lib is not None else None
+        if lib is None:
+            print(f"dflash: native bf16 kernel unavailable ({why_not()}); using ATen's bf16 GEMM", file=sys.stderr)
+    return _loaded["bf16"]
 
 
 def why_not() -> str | None:
-    """Why ``int8_gemm()`` returned None (None when it did not, or was not asked yet)."""
-    return _why_not.get("int8")
+    """Why the native kernels are unavailable (None when they are, or were not asked for yet)."""
+    return _why_not.get("lib")
 
 
-def _wrap(c_fn: ctypes._NamedFuncPointer) -> Int8Gemm:
-    c_fn.restype = None
+def _f32(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+
+
+def _wrap_int8(c_fn: ctypes._NamedFuncPointer) -> Int8Gemm:
+    c_fn.restype = ctypes.c_int
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     c_fn.argtypes = [p, i64, i64, p, p, p, i64, p, ctypes.c_int]
 
     def gemm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.dtype != torch.float32 or not x.is_contiguous():
-            x = x.float().contiguous()
+        x = _f32(x)
+        m, k = x.shape
+        n = w.shape[0]
+        y = torch.empty((m, n), dtype=torch.float32)
+        rc = c_fn(
+            x.data_ptr(),
+            m,
+            k,
+            w.data_ptr(),
+            scale.data_ptr(),
+            bias.data_ptr() if bias is not None else None,
+            n,
+            y.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise MemoryError(f"int8 GEMM: no memory for a {m}x{k} activation buffer")
+        return y
+
+    return gemm
+
+
+def _wrap_bf16(c_fn: ctypes._NamedFuncPointer) -> Bf16Gemm:
+    c_fn.restype = None
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    c_fn.argtypes = [p, i64, i64, p, p, i64, p, ctypes.c_int]
+
+    def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        x = _f32(x)
         m, k = x.shape
         n = w.shape[0]
         y = torch.empty((m, n), dtype=torch.float32)
@@ -140,7 +203,6 @@ def _wrap(c_fn: ctypes._NamedFuncPointer) -> Int8Gemm:
             m,
             k,
             w.data_ptr(),
-            scale.data_ptr(),
             bias.data_ptr() if bias is not None else None,
             n,
             y.data_ptr(),

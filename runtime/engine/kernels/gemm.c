@@ -1,0 +1,283 @@
+/* Weight-only GEMMs for decode and verify steps: y[M, N] = x[M, K] . (W[N, K] (* scale[N]))^T (+ bias),
+ * float32 activations and accumulation, AVX2 + FMA, OpenMP over output rows. Two weight formats:
+ *
+ *   dflash_int8_gemm: int8 weights with one float32 scale per output row. The activations are
+ *     rounded per row to 15-bit integers (scale = the row's largest magnitude / 16383, computed from
+ *     that row alone) and the dot products are exact int32 sums of int16 x int8 products
+ *     (vpmaddwd): two to six times fewer instructions per weight than widening the weights to
+ *     float32, which decides a verify step's cost on a CPU without AVX-512 (a decode step of a few
+ *     rows is compute-bound there). Integer sums do not depend on their order, so every row's
+ *     result is independent of the other rows, of M and of the thread count by construction.
+ *   dflash_bf16_gemm: bfloat16 weights (widened to float32 exactly: a 16-bit shift), float32
+ *     activations and FMA accumulation.
+ *
+ * Written for the shapes of a decode or verify step (M = 1..65 rows, K = hidden or MLP width): each
+ * weight row is read from memory once per call and kept in L1 while every input row uses it, so a
+ * verify block of M rows costs little more than one row when the step is bound by weight reads.
+ *
+ * Exactness contract (dflash's greedy DFlash == plain greedy): the value computed for one input row
+ * does not depend on M, on the other rows or on the thread count. In the bf16 kernel every (weight row, input row) pair
+ * is reduced the same way: four 8-lane FMA chains over k (k mod 32), combined as (c0 + c1) + (c2 + c3),
+ * summed across lanes in a fixed order, then the k % 32 tail in order, then scaled (and biased).
+ * Rows are grouped (two input rows per weight row, or two weight rows per input row) only to share
+ * loads and to keep eight FMA chains in flight; a group's pairs run the very instruction sequence
+ * of a lone pair.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+/* bytes ahead of the weight stream to prefetch (rows are contiguous: this runs into the next rows) */
+#ifndef PREFETCH
+#define PREFETCH 2048
+#endif
+
+static inline float hsum8(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v);
+    __m128 hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);
+    __m128 sh = _mm_movehdup_ps(lo);
+    __m128 s = _mm_add_ps(lo, sh);
+    sh = _mm_movehl_ps(sh, s);
+    s = _mm_add_ss(s, sh);
+    return _mm_cvtss_f32(s);
+}
+
+static inline __m256 load_bf16(const uint16_t *p) {
+    __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+static inline float scalar_bf16(const uint16_t *p) {
+    union { uint32_t u; float f; } c;
+    c.u = (uint32_t)*p << 16;
+    return c.f;
+}
+
+#ifndef BF_PAIRS
+#define BF_PAIRS 0 /* two weight rows per one-row call: slower from memory (measured) */
+#endif
+
+#define FMA4(c, W, X)                                                   \
+    c##0 = _mm256_fmadd_ps(W##0, _mm256_loadu_ps((X) + k), c##0);       \
+    c##1 = _mm256_fmadd_ps(W##1, _mm256_loadu_ps((X) + k + 8), c##1);   \
+    c##2 = _mm256_fmadd_ps(W##2, _mm256_loadu_ps((X) + k + 16), c##2);  \
+    c##3 = _mm256_fmadd_ps(W##3, _mm256_loadu_ps((X) + k + 24), c##3);
+
+/* One weight format: the three groupings (1 x 1, 1 weight row x 2 input rows, 2 weight rows x 1
+ * input row) and the GEMM over them. */
+#define DEFINE_GEMM(NAME, WT, LOAD, SCALAR)                                                                   \
+    static inline float NAME##_finish(__m256 c0, __m256 c1, __m256 c2, __m256 c3, const WT *w, const float *x, \
+                                      int64_t k0, int64_t K) {                                                 \
+        float r = hsum8(_mm256_add_ps(_mm256_add_ps(c0, c1), _mm256_add_ps(c2, c3)));                          \
+        for (int64_t k = k0; k < K; k++) r += SCALAR(w + k) * x[k];                                            \
+        return r;                                                                                              \
+    }                                                                                                          \
+    static inline float NAME##_1x1(const WT *w, const float *x, int64_t K) {                                   \
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                                            \
+        int64_t k = 0;                                                                                         \
+        for (; k + 32 <= K; k += 32) {                                                                         \
+            _mm_prefetch((const char *)(w + k) + PREFETCH, _MM_HINT_T0);                                       \
+            __m256 w0 = LOAD(w + k), w1 = LOAD(w + k + 8), w2 = LOAD(w + k + 16), w3 = LOAD(w + k + 24);       \
+            FMA4(a, w, x)                                                                                      \
+        }                                                                                                      \
+        return NAME##_finish(a0, a1, a2, a3, w, x, k, K);                                                      \
+    }                                                                                                          \
+    /* one weight row against two input rows */                                                               \
+    static inline void NAME##_1x2(const WT *w, const float *xa, const float *xb, int64_t K, float *ra,         \
+                                  float *rb) {                                                                 \
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;       \
+        int64_t k = 0;                                                                                         \
+        for (; k + 32 <= K; k += 32) {                                                                         \
+            _mm_prefetch((const char *)(w + k) + PREFETCH, _MM_HINT_T0);                                       \
+            __m256 w0 = LOAD(w + k), w1 = LOAD(w + k + 8), w2 = LOAD(w + k + 16), w3 = LOAD(w + k + 24);       \
+            FMA4(a, w, xa)                                                                                     \
+            FMA4(b, w, xb)                                                                                     \
+        }                                                                                                      \
+        *ra = NAME##_finish(a0, a1, a2, a3, w, xa, k, K);                                                      \
+        *rb = NAME##_finish(b0, b1, b2, b3, w, xb, k, K);                                                      \
+    }                                                                                                          \
+    /* two weight rows against one input row (a decode step: eight chains in flight) */                       \
+    static inline void NAME##_2x1(const WT *wa, const WT *wb, const float *x, int64_t K, float *ra,            \
+                                  float *rb) {                                                                 \
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;       \
+        int64_t k = 0;                                                                                         \
+        for (; k + 32 <= K; k += 32) {                                                                         \
+            _mm_prefetch((const char *)(wa + k) + PREFETCH, _MM_HINT_T0);                                      \
+            _mm_prefetch((const char *)(wb + k) + PREFETCH, _MM_HINT_T0);                                      \
+            __m256 u0 = LOAD(wa + k), u1 = LOAD(wa + k + 8), u2 = LOAD(wa + k + 16), u3 = LOAD(wa + k + 24);   \
+            FMA4(a, u, x)                                                                                      \
+            __m256 v0 = LOAD(wb + k), v1 = LOAD(wb + k + 8), v2 = LOAD(wb + k + 16), v3 = LOAD(wb + k + 24);   \
+            FMA4(b, v, x)                                                                                      \
+        }                                                                                                      \
+        *ra = NAME##_finish(a0, a1, a2, a3, wa, x, k, K);                                                      \
+        *rb = NAME##_finish(b0, b1, b2, b3, wb, x, k, K);                                                      \
+    }                                                                                                          \
+    /* every input row against weight row n */                                                                \
+    static inline void NAME##_col(const WT *wr, const float *x, int64_t M, int64_t K, int64_t N, int64_t n,    \
+                                  float *acc) {                                                                \
+        int64_t m = 0;                                                                                         \
+        for (; m + 2 <= M; m += 2) NAME##_1x2(wr, x + m * K, x + (m + 1) * K, K, acc + m * N + n,              \
+                                              acc + (m + 1) * N + n);                                          \
+        if (m < M) acc[m * N + n] = NAME##_1x1(wr, x + m * K, K);                                              \
+    }                                                                                                          \
+    static void NAME##_raw(const float *x, int64_t M, int64_t K, const WT *w, int64_t N, float *y,             \
+                           int threads) {                                                                      \
+        const int64_t pairs = N / 2;                                                                           \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")                                     \
+        for (int64_t p = 0; p < pairs + (N & 1); p++) {                                                        \
+            const int64_t n = 2 * p;                                                                           \
+            if (n + 1 < N && M == 1 && BF_PAIRS) {                                                             \
+                NAME##_2x1(w + n * K, w + (n + 1) * K, x, K, y + n, y + n + 1);                                \
+            } else {                                                                                           \
+                NAME##_col(w + n * K, x, M, K, N, n, y);                                                       \
+                if (n + 1 < N) NAME##_col(w + (n + 1) * K, x, M, K, N, n + 1, y);                              \
+            }                                                                                                  \
+        }                                                                                                      \
+    }
+
+DEFINE_GEMM(bf, uint16_t, load_bf16, scalar_bf16)
+
+static void epilogue(float *y, int64_t M, int64_t N, const float *scale, const float *bias) {
+    if (!bias) return;
+    for (int64_t m = 0; m < M; m++) {
+        float *r = y + m * N;
+        if (scale && bias)
+            for (int64_t n = 0; n < N; n++) r[n] = r[n] * scale[n] + bias[n];
+        else if (scale)
+            for (int64_t n = 0; n < N; n++) r[n] = r[n] * scale[n];
+        else
+            for (int64_t n = 0; n < N; n++) r[n] = r[n] + bias[n];
+    }
+}
+
+/* ---- int8 weights x int16 activations ------------------------------------------------------ */
+
+/* weight rows per tile: one streams from memory about twice as fast as two or four in a decode
+ * step (measured on an AVX2 EPYC), and two are no faster in a verify step */
+#ifndef NW1
+#define NW1 1 /* one-row (decode) calls */
+#endif
+#ifndef NWM
+#define NWM 1 /* verify (M > 1) calls */
+#endif
+#define XMAX 16383.0f /* |activation| after rounding: keeps 2 * 127 * 16383 * K/16 within int32 per chunk */
+#define CHUNK 4096    /* k per int32 partial sum (K/16 * 4.16M < 2^31 for K <= 8192; chunks add in int64) */
+
+/* Round x [M, K] per row to int16 (a multiple of 16 columns, zero-padded) and give each row's scale. */
+static void quantize_rows(const float *x, int64_t M, int64_t K, int64_t Kp, int16_t *xq, float *xs) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *r = x + m * K;
+        float amax = 0.0f;
+        for (int64_t k = 0; k < K; k++) amax = fmaxf(amax, fabsf(r[k]));
+        const float s = amax > 0.0f ? amax / XMAX : 1.0f;
+        const float inv = 1.0f / s;
+        int16_t *q = xq + m * Kp;
+        for (int64_t k = 0; k < K; k++) q[k] = (int16_t)lrintf(r[k] * inv);
+        for (int64_t k = K; k < Kp; k++) q[k] = 0;
+        xs[m] = s;
+    }
+}
+
+static inline int64_t hsum_i32(__m256i v) {
+    __m128i s = _mm_add_epi64(_mm_cvtepi32_epi64(_mm256_castsi256_si128(v)),
+                              _mm_cvtepi32_epi64(_mm_unpackhi_epi64(_mm256_castsi256_si128(v), _mm256_castsi256_si128(v))));
+    __m128i hi = _mm256_extracti128_si256(v, 1);
+    s = _mm_add_epi64(s, _mm_add_epi64(_mm_cvtepi32_epi64(hi), _mm_cvtepi32_epi64(_mm_unpackhi_epi64(hi, hi))));
+    return _mm_cvtsi128_si64(s) + _mm_extract_epi64(s, 1);
+}
+
+/* NW weight rows (w, K bytes apart) against MX int16 rows (xq, Kp apart): exact integer dot products. */
+static inline __attribute__((always_inline)) void tile(const int8_t *w, int64_t K, const int16_t *xq, int64_t Kp, int NW, int MX, int64_t *out) {
+    int64_t tot[8] = {0, 0, 0, 0, 0, 0, 0, 0};  /* NW * MX <= 8 */
+    const int64_t K16 = K & ~(int64_t)15;
+    for (int64_t k0 = 0; k0 < K16; k0 += CHUNK) {
+        const int64_t k1 = k0 + CHUNK < K16 ? k0 + CHUNK : K16;
+        __m256i acc[8];
+        for (int i = 0; i < NW * MX; i++) acc[i] = _mm256_setzero_si256();
+        int64_t k = k0;
+        for (; k + 64 <= k1; k += 64) { /* a cache line of weights per row per step, one prefetch */
+            for (int a = 0; a < NW; a++) _mm_prefetch((const char *)(w + a * K + k) + PREFETCH, _MM_HINT_T0);
+            for (int u = 0; u < 64; u += 16)
+                for (int a = 0; a < NW; a++) {
+                    const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + a * K + k + u)));
+                    for (int b = 0; b < MX; b++) {
+                        const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * Kp + k + u));
+                        acc[a * MX + b] = _mm256_add_epi32(acc[a * MX + b], _mm256_madd_epi16(wv, xv));
+                    }
+                }
+        }
+        for (; k < k1; k += 16)
+            for (int a = 0; a < NW; a++) {
+                const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + a * K + k)));
+                for (int b = 0; b < MX; b++) {
+                    const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * Kp + k));
+                    acc[a * MX + b] = _mm256_add_epi32(acc[a * MX + b], _mm256_madd_epi16(wv, xv));
+                }
+            }
+        for (int i = 0; i < NW * MX; i++) tot[i] += hsum_i32(acc[i]);
+    }
+    for (int a = 0; a < NW; a++)
+        for (int b = 0; b < MX; b++) {
+            int64_t t = tot[a * MX + b];
+            for (int64_t k = K16; k < K; k++) t += (int64_t)w[a * K + k] * xq[b * Kp + k];
+            out[a * MX + b] = t;
+        }
+}
+
+/* weight rows [n, n + NW) against every input row */
+static inline __attribute__((always_inline)) void int8_rows(const int8_t *w, int64_t K, const int16_t *xq, int64_t Kp, const float *xs, int64_t M,
+                             int64_t N, int64_t n, int NW, const float *scale, const float *bias, float *y) {
+    int64_t dots[8];
+    for (int64_t m = 0; m < M;) {
+        const int64_t left = M - m;
+        const int MX = NW >= 2 ? (left >= 8 / NW ? 8 / NW : (int)left) : (left >= 8 ? 8 : (int)left);
+        switch (NW * 16 + MX) { /* literal shapes, so each tile is compiled unrolled */
+#define T(nw, mx) case nw * 16 + mx: tile(w + n * K, K, xq + m * Kp, Kp, nw, mx, dots); break;
+            T(8, 1) T(4, 1) T(4, 2) T(3, 1) T(3, 2) T(2, 1) T(2, 2) T(2, 3) T(2, 4)
+            T(1, 1) T(1, 2) T(1, 3) T(1, 4) T(1, 5) T(1, 6) T(1, 7) T(1, 8)
+#undef T
+        }
+        for (int a = 0; a < NW; a++)
+            for (int b = 0; b < MX; b++) {
+                float v = (float)dots[a * MX + b] * (xs[m + b] * scale[n + a]);
+                y[(m + b) * N + n + a] = bias ? v + bias[n + a] : v;
+            }
+        m += MX;
+    }
+}
+
+/* x [M, K] float32 row-major, w [N, K] int8 row-major, scale [N], bias [N] or NULL, y [M, N].
+ * Returns 0, or -1 when the activation buffer cannot be allocated. */
+int dflash_int8_gemm(const float *x, int64_t M, int64_t K, const int8_t *w, const float *scale,
+                     const float *bias, int64_t N, float *y, int threads) {
+    const int64_t Kp = (K + 15) & ~(int64_t)15;
+    int16_t *xq = (int16_t *)aligned_alloc(64, (size_t)((M * Kp * 2 + 63) & ~(int64_t)63));
+    float *xs = (float *)malloc((size_t)M * sizeof(float));
+    if (!xq || !xs) {
+        free(xq);
+        free(xs);
+        return -1;
+    }
+    quantize_rows(x, M, K, Kp, xq, xs);
+    /* M == 1 pairs weight rows (more independent sums in flight); longer blocks take one weight row
+     * against up to eight input rows. The result of a (weight row, input row) pair is the same. */
+    const int NW = M == 1 ? NW1 : NWM;
+    const int64_t groups = (N + NW - 1) / NW;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t n = g * NW;
+        const int nw = n + NW <= N ? NW : (int)(N - n);
+        int8_rows(w, K, xq, Kp, xs, M, N, n, nw, scale, bias, y);
+    }
+    free(xq);
+    free(xs);
+    return 0;
+}
+
+/* x [M, K] float32 row-major, w [N, K] bfloat16 bits row-major, bias [N] float32 or NULL, y [M, N] */
+void dflash_bf16_gemm(const float *x, int64_t M, int64_t K, const uint16_t *w, const float *bias, int64_t N,
+                      float *y, int threads) {
+    bf_raw(x, M, K, w, N, y, threads);
+    epilogue(y, M, N, NULL, bias);
+}
