@@ -223,6 +223,16 @@ def make_target(model: Any, engine: str = "auto", progress: Progress | None = No
     return TargetModel(model)
 
 
+def _saved_quantization(target_dir: Path) -> bool:
+    """Whether ``target_dir`` is a folder ``dflash quantize`` wrote (its config records the scheme)."""
+    from runtime.quantize.io import QUANT_KEY
+
+    try:
+        return QUANT_KEY in json.loads((target_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+
+
 def _has_sliding_layers(config: Any) -> bool:
     """True when some target layers use a sliding window (their caches cannot be compacted)."""
     types = getattr(config, "layer_types", None) or ()
@@ -493,6 +503,8 @@ def load_pipeline(
     device = resolve_device(runtime.device)
     dtype = resolve_dtype(runtime.dtype, device)
     pair = resolve_pair(ref, opts, progress)
+    if runtime.dtype == "auto" and (opts.quantize or _saved_quantization(pair.target_dir)):
+        dtype = resolve_dtype("auto", device, quantized=True)  # the activations' dtype only
     draft_cfg = read_drafter_config(pair.drafter_dir) if pair.drafter_dir else None
     if draft_cfg is not None:
         ensure_compatible(read_target_config(pair.target_dir), draft_cfg, pair.target_name, pair.drafter_name or "")

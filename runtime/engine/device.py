@@ -50,10 +50,12 @@ def cpu_bf16_decodes_fast() -> bool:
     return kernels.bf16_gemm() is not None
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, quantized: bool = False) -> torch.dtype:
     """Map a dtype name to a ``torch.dtype``; "auto" = bf16 on CUDA (fp16 without bf16), fp16 on
     MPS, bf16 on CPUs where it decodes faster than float32 (``cpu_bf16_decodes_fast``) and float32
-    on others.
+    on others. With ``quantized`` weights (int8/int4: the float dtype is only the activations'),
+    "auto" on a CPU is bf16 only where bf16 arithmetic is native: the quantized kernels compute in
+    float32 there anyway.
 
     Raises:
         ConfigError: an unknown name, or float16 on CPU (too slow and inexact there).
@@ -63,7 +65,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         if device.type == "mps":
             return torch.float16
-        return torch.bfloat16 if cpu_bf16_decodes_fast() else torch.float32
+        fast = cpu_has_fast_bf16() if quantized else cpu_bf16_decodes_fast()
+        return torch.bfloat16 if fast else torch.float32
     if name not in _DTYPES:
         raise ConfigError(f"unknown dtype {name!r}; use auto, float32, bfloat16 or float16")
     if name == "float16" and device.type == "cpu":
