@@ -2,6 +2,7 @@
 
 Only the CLI reads environment variables:
   DFLASH_ENGINE    the target forward: auto (default), lean or hf (same as --engine on run/bench)
+  DFLASH_COMPILE   torch.compile the lean forward: on, or off/auto (default: eager)
   DFLASH_HOME      dflash's data root (default: the platform user cache dir, e.g. ~/.cache/dflash)
   DFLASH_DEBUG=1   show full tracebacks instead of one-line errors
   DFLASH_NATIVE=0  do not build or use dflash's native CPU kernels (int8 GEMM; ATen's are used)
@@ -222,6 +223,7 @@ def session_options(
         dtype=dtype.value if isinstance(dtype, Enum) else dtype,
         threads=threads,
         engine=engine or os.environ.get("DFLASH_ENGINE", "auto"),
+        compile=os.environ.get("DFLASH_COMPILE", "auto"),
         offline=offline or env_offline(),
         revision=revision,
         quantize=quantize,

@@ -99,6 +99,9 @@ class RuntimeConfig:
         attn_implementation: passed to transformers ("sdpa" by default, "eager" for references).
         engine: the target's forward: "lean" (static KV cache, packed weights; Llama/Qwen2/Qwen3),
             "hf" (transformers' own forward) or "auto" (lean where the model supports it).
+        compile: run the lean forward's layers through ``torch.compile``: "on", or "off"/"auto"
+            (the default: eager, because on CPUs compiled steps measured slower than eager and no
+            GPU measurement exists yet; README "Speed").
     """
 
     device: str = "auto"
@@ -106,6 +109,7 @@ class RuntimeConfig:
     threads: int | None = None
     attn_implementation: str = "sdpa"
     engine: str = "auto"
+    compile: str = "auto"
 
     def __post_init__(self) -> None:
         base = self.device.split(":", 1)[0]
@@ -117,6 +121,8 @@ class RuntimeConfig:
             raise ConfigError(f"threads must be >= 1, got {self.threads}")
         if self.engine not in ENGINES:
             raise ConfigError(f"unknown engine {self.engine!r}; use one of {', '.join(ENGINES)}")
+        if self.compile not in ("auto", "on", "off"):
+            raise ConfigError(f"unknown compile setting {self.compile!r}; use auto, on or off")
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ class SessionOptions:
 
     Attributes:
         model, target, drafter: what the user named (see ``ModelRef``; all None: the embedded pair).
-        device, dtype, threads, engine: where and with which target forward the models run (see
+        device, dtype, threads, engine, compile: where and with which target forward the models run (see
             ``RuntimeConfig``).
         offline, revision, quantize: how models are found and loaded (see ``LoadOptions``).
         models_dir: dflash's own model folder (the embedded target is converted there).
@@ -50,6 +50,7 @@ class SessionOptions:
     dtype: str = "auto"
     threads: int | None = None
     engine: str = "auto"
+    compile: str = "auto"
     offline: bool = False
     revision: str | None = None
     quantize: str | None = None
@@ -75,7 +76,9 @@ class SessionOptions:
     @property
     def runtime(self) -> RuntimeConfig:
         """Device, dtype and threads."""
-        return RuntimeConfig(device=self.device, dtype=self.dtype, threads=self.threads, engine=self.engine)
+        return RuntimeConfig(
+            device=self.device, dtype=self.dtype, threads=self.threads, engine=self.engine, compile=self.compile
+        )
 
     @property
     def load(self) -> LoadOptions:

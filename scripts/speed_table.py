@@ -114,8 +114,10 @@ def dflash_rows(args: argparse.Namespace, prompt_texts: list[str]) -> list[dict[
         short = {"bfloat16": "bf16", "float32": "fp32"}.get(dtype_name(pipe.dtype), dtype_name(pipe.dtype))
         label = short if quant == "none" else f"{quant} ({short} act.)"
         outputs: dict[str, list[list[int]]] = {}
-        for method in ("ar", "dflash"):
-            dopts = DecodeOptions(decoder=method)
+        fixed = [f"dflash@{k}" for k in args.verify_lengths]
+        for method in ("ar", "dflash", *fixed):
+            name, _, k = method.partition("@")
+            dopts = DecodeOptions(decoder=name, verify_length=int(k) if k else None)
             speeds, taus, verify, steps, committed = [], [], 0, 0, 0.0
             outs = []
             for i, p in enumerate([ids[0], *ids]):
@@ -135,7 +137,7 @@ def dflash_rows(args: argparse.Namespace, prompt_texts: list[str]) -> list[dict[
                 committed += st.tau * st.verify_steps
             outputs[method] = outs
             row = {"engine": f"dflash ({engine})", "weights": label, "method": method, "tok_s": speeds}
-            if method == "dflash":
+            if name == "dflash":
                 row["tau"] = committed / steps if steps else 1.0
                 row["verify"] = verify
                 row["same_as_ar"] = sum(a == b for a, b in zip(outputs["ar"], outs, strict=True))
@@ -160,6 +162,12 @@ def main() -> None:
         default="bfloat16",
         help="comma list of dtypes for the unquantized rows (bfloat16,float32); quantized rows use the "
         "machine's default activation dtype (dflash's --dtype auto)",
+    )
+    ap.add_argument(
+        "--verify-lengths",
+        type=lambda v: [int(x) for x in v.split(",") if x.strip()],
+        default=[],
+        help="also DFlash rows with these fixed verify lengths (e.g. 1,2,3), beside the runtime's choice",
     )
     ap.add_argument("--with-hf", action="store_true", help="also transformers' forward on bf16 (the step before)")
     ap.add_argument("--target")

@@ -210,6 +210,8 @@ def cache_key(pipeline: Any) -> str:
         from runtime.engine import kernels
 
         engine += "+" + kernels.identity()
+    if getattr(pipeline.target, "_compiled", None) is not None:
+        engine += "+compiled"
     parts = [
         d["target"],
         quant,

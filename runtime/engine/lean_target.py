@@ -177,6 +177,7 @@ class LeanTarget(TargetModel):
             self.head = FusedLinear([Int8Head(self.lm_head)], pack=False)
         self._cos = torch.empty(0)
         self._sin = torch.empty(0)
+        self._compiled: Any = None  # torch.compile'd _body (see compile)
 
     # -- caches --------------------------------------------------------------------------------
     def new_cache(self, capacity: int = 512) -> StaticKVCache:
@@ -243,8 +244,35 @@ class LeanTarget(TargetModel):
         cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)  # [1, T, hd] broadcast over heads
         mask = self._mask(t, start, tree_mask)
         causal = mask is None and t > 1  # start == 0 here: a plain causal square
+        taps = tuple(self._taps) if capture else ()
+        body = self._compiled if self._compiled is not None else self._body
+        try:
+            logits, feats = body(input_ids, cos, sin, mask, causal, cache.k, cache.v, start, logits_to_keep, taps)
+        except Exception as e:  # noqa: BLE001 - any compiler failure: eager from here on, said once
+            if body is self._body:
+                raise
+            self._compile_failed(e)
+            logits, feats = self._body(input_ids, cos, sin, mask, causal, cache.k, cache.v, start, logits_to_keep, taps)
+        cache.length = end
+        return logits, feats
+
+    def _body(
+        self,
+        input_ids: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+        causal: bool,
+        cache_k: list[torch.Tensor],
+        cache_v: list[torch.Tensor],
+        start: int,
+        logits_to_keep: int,
+        taps: tuple[int, ...],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layers, the final norm and the head over new tokens (writes their K/V at ``start``)."""
+        t = int(input_ids.shape[1])
+        end = start + t
         h = self.embed(input_ids)[0]  # [T, D]
-        taps = set(self._taps) if capture else set()
         captured: dict[int, torch.Tensor] = {}
         hd, nh, nkv = self.head_dim, self.n_heads, self.n_kv
         for i, lay in enumerate(self.lean_layers):
@@ -257,7 +285,7 @@ class LeanTarget(TargetModel):
             q, k = q.transpose(0, 1), k.transpose(0, 1)  # [H, T, hd]
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            ck, cv = cache.k[i], cache.v[i]
+            ck, cv = cache_k[i], cache_v[i]
             ck[0, :, start:end] = k
             cv[0, :, start:end] = v.transpose(0, 1)
             if t == 1:
@@ -286,13 +314,31 @@ class LeanTarget(TargetModel):
             h = h + d
             if i in taps:
                 captured[i] = h
-        cache.length = end
         rows = h[-logits_to_keep:] if logits_to_keep else h
         (logits,) = self.head(_rms(rows, self.final_norm, self.final_eps))
         feats = None
-        if capture and self._taps:
-            feats = torch.cat([captured[i] for i in self._taps], dim=-1).unsqueeze(0)
+        if taps:
+            feats = torch.cat([captured[i] for i in taps], dim=-1).unsqueeze(0)
         return logits, feats
+
+    # -- compilation ---------------------------------------------------------------------------
+    def compile(self, mode: str | None = None) -> None:
+        """Run the layers through ``torch.compile`` from the next forward on (inductor; on CUDA pass
+        ``mode="reduce-overhead"`` for CUDA graphs). The GEMMs stay the packed/native kernels (custom
+        operators); inductor fuses the norms, rotary embedding, activations and residual adds
+        between them. Shapes are dynamic (rows per step, cache length), so a process compiles once
+        per kind of step (one token, a verify block) and reuses it for every request. Where
+        compilation fails the forward runs eagerly from then on, with one line on stderr."""
+        import runtime.engine.kernels.ops  # noqa: F401 - registers the custom operators
+
+        self._compiled = torch.compile(self._body, dynamic=True, mode=mode)
+
+    def _compile_failed(self, e: Exception) -> None:
+        import sys
+
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        print(f"dflash: torch.compile failed ({type(e).__name__}: {first}); running eagerly", file=sys.stderr)
+        self._compiled = None
 
     def _mask(self, t: int, start: int, tree_mask: torch.Tensor | None) -> torch.Tensor | None:
         """Boolean attention mask [T, start + T] (True = may attend), or None when causal suffices."""

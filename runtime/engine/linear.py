@@ -172,6 +172,8 @@ class FusedLinear:
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Outputs of every layer for input rows ``x`` [T, in_features] -> ([T, out_i], ...)."""
+        if torch.compiler.is_compiling() and (self.native is not None or self.bf16 is not None or self.packed):
+            return self._traced(x)
         if self.int8:
             if self.native is not None:
                 y = self.native(x, self.weight, self.scale, self.bias).to(x.dtype)
@@ -187,6 +189,18 @@ class FusedLinear:
             y = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
             return tuple(y.split(self.sizes, dim=-1)) if len(self.sizes) > 1 else (y,)
         return tuple(m(x) for m in self.modules)
+
+    def _traced(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``__call__`` under ``torch.compile``: the same kernels as custom operators
+        (``runtime.engine.kernels.ops``), which the compiler keeps as opaque calls."""
+        ops = torch.ops.dflash
+        if self.native is not None:
+            y = ops.int8_gemm(x.float().contiguous(), self.weight, self.scale, self.bias).to(x.dtype)
+        elif self.bf16 is not None:
+            y = ops.bf16_gemm(x.float().contiguous(), self.weight, self.bias).to(x.dtype)
+        else:
+            y = ops.packed_linear(x.contiguous(), self.weight, self.bias, sum(self.sizes))
+        return tuple(y.split(self.sizes, dim=-1)) if len(self.sizes) > 1 else (y,)
 
 
 class PackedLinear(nn.Module):
