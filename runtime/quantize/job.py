@@ -13,6 +13,7 @@ Steps of ``quantize_pair``:
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import shutil
@@ -272,7 +273,7 @@ def quantize_pair(
     say = status or (lambda _m: None)
     spec = get_scheme(req.scheme)
     device = resolve_device(req.runtime.device)
-    dtype = resolve_dtype(req.runtime.dtype, device)
+    dtype = resolve_dtype(req.runtime.dtype, device, quantized=True)  # as the saved folder reloads
     check_supported(spec, device, dtype)
     pair = resolve_pair(req.ref, req.load, status)
     if req.quantize_drafter and pair.drafter_dir is None:
@@ -285,7 +286,10 @@ def quantize_pair(
     # 2. the unquantized pair (and its measurements); import the model code first so that the two
     #    load times compare loading, not Python imports
     _warm_imports(pair.target_dir)
-    base = load_pipeline(req.ref, req.runtime, req.load, progress=status)
+    # both pairs with the activation dtype the saved folder reloads with (auto: float32 on CPUs
+    # without native bf16), so that the report and the reload check compare like with like
+    runtime = dataclasses.replace(req.runtime, dtype=dtype_name(dtype))
+    base = load_pipeline(req.ref, runtime, req.load, progress=status)
     load_before = base.load_seconds
     prompts = report_prompts(base, req.report_prompts) if req.report else []
     base_report = None
@@ -342,7 +346,7 @@ def quantize_pair(
     say(f"loading the quantized pair from {out}")
     quant = load_pipeline(
         ModelRef(target=str(out), drafter=None if default_drafter else "none"),  # the recorded drafter
-        req.runtime,
+        runtime,
         LoadOptions(models_dir=req.load.models_dir, hf_cache_dir=req.load.hf_cache_dir, offline=True),
         progress=status,
     )
