@@ -58,12 +58,17 @@ def doctor(
 
         from runtime.bench.probe import measure_speed, save_result
         from runtime.pipeline import Pipeline
-        from runtime.session import open_pipeline
+        from runtime.session import calibrate, open_pipeline
 
         def load_with(scheme: str | None) -> Pipeline:
-            return open_pipeline(replace(opts, quantize=scheme))
+            return open_pipeline(replace(opts, quantize=scheme, calibration_file=None))
 
-        save_result(measure_speed(load_with, progress=lambda m: print(m, file=sys.stderr)), speed_file)
+        def measure_costs(pipe: Pipeline) -> None:
+            if opts.calibration_file is not None:
+                calibrate(pipe, opts.calibration_file)
+
+        say = lambda m: print(m, file=sys.stderr)  # noqa: E731
+        save_result(measure_speed(load_with, progress=say, calibrate=measure_costs), speed_file)
     checks = run_doctor(opts.ref, opts.runtime, opts.load, speed_file=speed_file)
     code = exit_code(checks)
     if json_out:

@@ -69,15 +69,21 @@ def measure_speed(
     schemes: Sequence[str] = ("none", "int8", "int4"),
     max_tokens: int = 64,
     progress: Callable[[str], None] | None = None,
+    calibrate: Callable[[Any], None] | None = None,
+    too_slow: float = 4.0,
 ) -> ProbeResult:
     """Decode one prompt with every configuration and rank them.
 
     Args:
         load: loads the pair with a quantization scheme (None: unquantized) and returns a
-            ``Pipeline`` whose verify costs are already measured.
+            ``Pipeline`` (its verify costs measured, or measured by ``calibrate``).
         schemes: precisions to try; a scheme that cannot run here is skipped.
         max_tokens: new tokens per run.
         progress: one-line status callback.
+        calibrate: measures a loaded pipeline's verify costs, after the quick check below.
+        too_slow: a scheme whose first few plain tokens decode this many times slower than the
+            fastest scheme so far is skipped (e.g. torchao's int4 CPU kernel on AVX2 CPUs: seconds
+            per token), before its verify costs are measured.
 
     Returns:
         The ranked rows.
@@ -97,6 +103,15 @@ def measure_speed(
         d = pipe.describe()
         key = key or probe_key(d["target"], d["device"], d["dtype"])
         ids = pipe.encode(PROMPT)
+        quick = _plain_speed(pipe, ids, 4)
+        best = max((r.tok_s for r in rows if r.decoder == "ar"), default=0.0)
+        if best and quick * too_slow < best:
+            if progress:
+                progress(f"skipping {scheme}: plain decoding runs {quick:.2f} tok/s here, {best / quick:.0f}x slower")
+            del pipe
+            continue
+        if calibrate is not None:
+            calibrate(pipe)
         decoders = ("ar", "dflash") if pipe.drafter is not None else ("ar",)
         for decoder in decoders:
             opts = DecodeOptions(decoder=decoder)
@@ -110,6 +125,15 @@ def measure_speed(
         del pipe
     rows.sort(key=lambda r: r.tok_s, reverse=True)
     return ProbeResult(key, time.time(), tuple(rows))
+
+
+def _plain_speed(pipe: Any, ids: list[int], tokens: int) -> float:
+    """Decode tok/s of a few plain greedy tokens (a quick look before anything is measured)."""
+    stats = None
+    for ev in pipe.stream(ids, SamplingParams(max_new_tokens=tokens, ignore_eos=True), DecodeOptions(decoder="ar")):
+        if isinstance(ev, Finished):
+            stats = ev.stats
+    return float(stats.decode_tokens_per_second) if stats is not None else 0.0
 
 
 def save_result(result: ProbeResult, path: Path) -> None:
