@@ -49,10 +49,9 @@ def _int8_parts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 
 def _onednn_bf16() -> bool:
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
+    from runtime.engine.device import cpu_has_fast_bf16
+
+    return cpu_has_fast_bf16()
 
 
 def _native_bf16() -> Any:

@@ -129,26 +129,29 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
+def _kernel(name: str, symbol: str, wrap: Callable[[Any], Any], instead: str) -> Any:
+    """A wrapped symbol of the library, loaded once; where the library cannot run, None and one
+    line on stderr naming what is used instead."""
+    if name not in _loaded:
+        lib = _library()
+        _loaded[name] = wrap(getattr(lib, symbol)) if lib is not None else None
+        if lib is None:
+            print(f"dflash: native {name} kernel unavailable ({why_not()}); using {instead}", file=sys.stderr)
+    return _loaded[name]
+
+
 def int8_gemm() -> Int8Gemm | None:
     """The compiled int8 GEMM, ``f(x [M, K] f32, w [N, K] int8, scale [N] f32, bias [N] f32 | None)
     -> y [M, N] f32``, or None where it cannot run here (see ``why_not``)."""
-    if "int8" not in _loaded:
-        lib = _library()
-        _loaded["int8"] = _wrap_int8(lib.dflash_int8_gemm) if lib is not None else None
-        if lib is None:
-            print(f"dflash: native int8 kernel unavailable ({why_not()}); using ATen's int8 GEMM", file=sys.stderr)
-    return _loaded["int8"]
+    fn: Int8Gemm | None = _kernel("int8", "dflash_int8_gemm", _wrap_int8, "ATen's int8 GEMM")
+    return fn
 
 
 def bf16_gemm() -> Bf16Gemm | None:
     """The compiled bf16-weight GEMM, ``f(x [M, K] f32, w [N, K] bf16, bias [N] f32 | None) -> y [M, N]
     f32``, or None where it cannot run here (see ``why_not``)."""
-    if "bf16" not in _loaded:
-        lib = _library()
-        _loaded["bf16"] = _wrap_bf16(lib.dflash_bf16_gemm) if lib is not None else None
-        if lib is None:
-            print(f"dflash: native bf16 kernel unavailable ({why_not()}); using ATen's bf16 GEMM", file=sys.stderr)
-    return _loaded["bf16"]
+    fn: Bf16Gemm | None = _kernel("bf16", "dflash_bf16_gemm", _wrap_bf16, "ATen's bf16 GEMM")
+    return fn
 
 
 def why_not() -> str | None:

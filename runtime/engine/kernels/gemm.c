@@ -18,10 +18,9 @@
  * Exactness contract (dflash's greedy DFlash == plain greedy): the value computed for one input row
  * does not depend on M, on the other rows or on the thread count. In the bf16 kernel every (weight row, input row) pair
  * is reduced the same way: four 8-lane FMA chains over k (k mod 32), combined as (c0 + c1) + (c2 + c3),
- * summed across lanes in a fixed order, then the k % 32 tail in order, then scaled (and biased).
- * Rows are grouped (two input rows per weight row, or two weight rows per input row) only to share
- * loads and to keep eight FMA chains in flight; a group's pairs run the very instruction sequence
- * of a lone pair.
+ * summed across lanes in a fixed order, then the k % 32 tail in order, then biased.
+ * Input rows are taken in pairs per weight row only to share each weight conversion; a pair's rows
+ * run the very instruction sequence of a lone row.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -54,18 +53,13 @@ static inline float scalar_bf16(const uint16_t *p) {
     return c.f;
 }
 
-#ifndef BF_PAIRS
-#define BF_PAIRS 0 /* two weight rows per one-row call: slower from memory (measured) */
-#endif
-
 #define FMA4(c, W, X)                                                   \
     c##0 = _mm256_fmadd_ps(W##0, _mm256_loadu_ps((X) + k), c##0);       \
     c##1 = _mm256_fmadd_ps(W##1, _mm256_loadu_ps((X) + k + 8), c##1);   \
     c##2 = _mm256_fmadd_ps(W##2, _mm256_loadu_ps((X) + k + 16), c##2);  \
     c##3 = _mm256_fmadd_ps(W##3, _mm256_loadu_ps((X) + k + 24), c##3);
 
-/* One weight format: the three groupings (1 x 1, 1 weight row x 2 input rows, 2 weight rows x 1
- * input row) and the GEMM over them. */
+/* One weight format: one weight row against one or two input rows, and the GEMM over them. */
 #define DEFINE_GEMM(NAME, WT, LOAD, SCALAR)                                                                   \
     static inline float NAME##_finish(__m256 c0, __m256 c1, __m256 c2, __m256 c3, const WT *w, const float *x, \
                                       int64_t k0, int64_t K) {                                                 \
@@ -97,22 +91,6 @@ static inline float scalar_bf16(const uint16_t *p) {
         *ra = NAME##_finish(a0, a1, a2, a3, w, xa, k, K);                                                      \
         *rb = NAME##_finish(b0, b1, b2, b3, w, xb, k, K);                                                      \
     }                                                                                                          \
-    /* two weight rows against one input row (a decode step: eight chains in flight) */                       \
-    static inline void NAME##_2x1(const WT *wa, const WT *wb, const float *x, int64_t K, float *ra,            \
-                                  float *rb) {                                                                 \
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;       \
-        int64_t k = 0;                                                                                         \
-        for (; k + 32 <= K; k += 32) {                                                                         \
-            _mm_prefetch((const char *)(wa + k) + PREFETCH, _MM_HINT_T0);                                      \
-            _mm_prefetch((const char *)(wb + k) + PREFETCH, _MM_HINT_T0);                                      \
-            __m256 u0 = LOAD(wa + k), u1 = LOAD(wa + k + 8), u2 = LOAD(wa + k + 16), u3 = LOAD(wa + k + 24);   \
-            FMA4(a, u, x)                                                                                      \
-            __m256 v0 = LOAD(wb + k), v1 = LOAD(wb + k + 8), v2 = LOAD(wb + k + 16), v3 = LOAD(wb + k + 24);   \
-            FMA4(b, v, x)                                                                                      \
-        }                                                                                                      \
-        *ra = NAME##_finish(a0, a1, a2, a3, wa, x, k, K);                                                      \
-        *rb = NAME##_finish(b0, b1, b2, b3, wb, x, k, K);                                                      \
-    }                                                                                                          \
     /* every input row against weight row n */                                                                \
     static inline void NAME##_col(const WT *wr, const float *x, int64_t M, int64_t K, int64_t N, int64_t n,    \
                                   float *acc) {                                                                \
@@ -123,17 +101,8 @@ static inline float scalar_bf16(const uint16_t *p) {
     }                                                                                                          \
     static void NAME##_raw(const float *x, int64_t M, int64_t K, const WT *w, int64_t N, float *y,             \
                            int threads) {                                                                      \
-        const int64_t pairs = N / 2;                                                                           \
         _Pragma("omp parallel for num_threads(threads) schedule(static)")                                     \
-        for (int64_t p = 0; p < pairs + (N & 1); p++) {                                                        \
-            const int64_t n = 2 * p;                                                                           \
-            if (n + 1 < N && M == 1 && BF_PAIRS) {                                                             \
-                NAME##_2x1(w + n * K, w + (n + 1) * K, x, K, y + n, y + n + 1);                                \
-            } else {                                                                                           \
-                NAME##_col(w + n * K, x, M, K, N, n, y);                                                       \
-                if (n + 1 < N) NAME##_col(w + (n + 1) * K, x, M, K, N, n + 1, y);                              \
-            }                                                                                                  \
-        }                                                                                                      \
+        for (int64_t n = 0; n < N; n++) NAME##_col(w + n * K, x, M, K, N, n, y);                               \
     }
 
 DEFINE_GEMM(bf, uint16_t, load_bf16, scalar_bf16)
@@ -153,14 +122,8 @@ static void epilogue(float *y, int64_t M, int64_t N, const float *scale, const f
 
 /* ---- int8 weights x int16 activations ------------------------------------------------------ */
 
-/* weight rows per tile: one streams from memory about twice as fast as two or four in a decode
- * step (measured on an AVX2 EPYC), and two are no faster in a verify step */
-#ifndef NW1
-#define NW1 1 /* one-row (decode) calls */
-#endif
-#ifndef NWM
-#define NWM 1 /* verify (M > 1) calls */
-#endif
+/* One weight row per tile: it streams from memory about twice as fast as two or four rows in a
+ * decode step (measured on an AVX2 EPYC), and two were no faster in a verify step. */
 #define XMAX 16383.0f /* |activation| after rounding: keeps 2 * 127 * 16383 * K/16 within int32 per chunk */
 #define CHUNK 4096    /* k per int32 partial sum (K/16 * 4.16M < 2^31 for K <= 8192; chunks add in int64) */
 
@@ -231,10 +194,9 @@ static inline __attribute__((always_inline)) void int8_rows(const int8_t *w, int
     int64_t dots[8];
     for (int64_t m = 0; m < M;) {
         const int64_t left = M - m;
-        const int MX = NW >= 2 ? (left >= 8 / NW ? 8 / NW : (int)left) : (left >= 8 ? 8 : (int)left);
+        const int MX = left >= 8 ? 8 : (int)left;
         switch (NW * 16 + MX) { /* literal shapes, so each tile is compiled unrolled */
 #define T(nw, mx) case nw * 16 + mx: tile(w + n * K, K, xq + m * Kp, Kp, nw, mx, dots); break;
-            T(8, 1) T(4, 1) T(4, 2) T(3, 1) T(3, 2) T(2, 1) T(2, 2) T(2, 3) T(2, 4)
             T(1, 1) T(1, 2) T(1, 3) T(1, 4) T(1, 5) T(1, 6) T(1, 7) T(1, 8)
 #undef T
         }
@@ -260,16 +222,9 @@ int dflash_int8_gemm(const float *x, int64_t M, int64_t K, const int8_t *w, cons
         return -1;
     }
     quantize_rows(x, M, K, Kp, xq, xs);
-    /* M == 1 pairs weight rows (more independent sums in flight); longer blocks take one weight row
-     * against up to eight input rows. The result of a (weight row, input row) pair is the same. */
-    const int NW = M == 1 ? NW1 : NWM;
-    const int64_t groups = (N + NW - 1) / NW;
+    /* one weight row against up to eight input rows at a time */
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t g = 0; g < groups; g++) {
-        const int64_t n = g * NW;
-        const int nw = n + NW <= N ? NW : (int)(N - n);
-        int8_rows(w, K, xq, Kp, xs, M, N, n, nw, scale, bias, y);
-    }
+    for (int64_t n = 0; n < N; n++) int8_rows(w, K, xq, Kp, xs, M, N, n, 1, scale, bias, y);
     free(xq);
     free(xs);
     return 0;
