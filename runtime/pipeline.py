@@ -223,16 +223,6 @@ def make_target(model: Any, engine: str = "auto", progress: Progress | None = No
     return TargetModel(model)
 
 
-def _saved_quantization(target_dir: Path) -> bool:
-    """Whether ``target_dir`` is a folder ``dflash quantize`` wrote (its config records the scheme)."""
-    from runtime.quantize.io import QUANT_KEY
-
-    try:
-        return QUANT_KEY in json.loads((target_dir / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-
-
 def _has_sliding_layers(config: Any) -> bool:
     """True when some target layers use a sliding window (their caches cannot be compacted)."""
     types = getattr(config, "layer_types", None) or ()
@@ -503,17 +493,19 @@ def load_pipeline(
     device = resolve_device(runtime.device)
     dtype = resolve_dtype(runtime.dtype, device)
     pair = resolve_pair(ref, opts, progress)
-    if runtime.dtype == "auto" and (opts.quantize or _saved_quantization(pair.target_dir)):
-        dtype = resolve_dtype("auto", device, quantized=True)  # the activations' dtype only
-    draft_cfg = read_drafter_config(pair.drafter_dir) if pair.drafter_dir else None
-    if draft_cfg is not None:
-        ensure_compatible(read_target_config(pair.target_dir), draft_cfg, pair.target_name, pair.drafter_name or "")
     from runtime.quantize.io import (
         apply_saved_quantization,
         check_quantize_request,
         prepare_saved_load,
         read_saved_quantization,
     )
+
+    saved = read_saved_quantization(pair.target_dir)
+    if runtime.dtype == "auto" and (opts.quantize or (saved is not None and saved.scheme is not None)):
+        dtype = resolve_dtype("auto", device, quantized=True)  # a dflash-quantized target: the activations' dtype
+    draft_cfg = read_drafter_config(pair.drafter_dir) if pair.drafter_dir else None
+    if draft_cfg is not None:
+        ensure_compatible(read_target_config(pair.target_dir), draft_cfg, pair.target_name, pair.drafter_name or "")
 
     if opts.quantize:
         check_quantize_request(opts.quantize, pair.target_dir, device, dtype)
@@ -546,6 +538,5 @@ def load_pipeline(
             raise ModelLoadError(f"drafter draft vocabulary has ids beyond the target vocab ({target.vocab_size})")
     tokenizer = load_tokenizer(pair.target_dir)
     pipe = Pipeline(target, drafter, tokenizer, pair, device, dtype, time.perf_counter() - t0)
-    saved = read_saved_quantization(pair.target_dir)
     pipe.quantization = opts.quantize or (saved.method if saved else None)
     return pipe

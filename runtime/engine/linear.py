@@ -16,8 +16,9 @@ int8 weight-only weights (torchao ``Int8Tensor``: int8 values + one scale per ou
 ``--quantize int8`` makes) are fused the same way on a CPU and computed by dflash's native int8 GEMM
 (``runtime.engine.kernels``: activations rounded per row to 15-bit integers, exact integer dot
 products, the int8 weights read directly, a quarter of float32's bytes) or, where it cannot be
-built, ATen's ``_weight_int8pack_mm`` (bf16 activations and scales, output rounded to bf16). The module call (torchao's own linear)
-de-quantizes the whole weight to the activation dtype on every call instead.
+built, ATen's ``_weight_int8pack_mm`` (bf16 activations and scales, output rounded to bf16). The
+module call (torchao's own linear) de-quantizes the whole weight to the activation dtype on every
+call instead.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from runtime.engine.device import cpu_has_fast_bf16
 
 
 def _plain(t: torch.Tensor | None) -> bool:
@@ -48,15 +51,9 @@ def _int8_parts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     return qdata, scale.reshape(-1)
 
 
-def _onednn_bf16() -> bool:
-    from runtime.engine.device import cpu_has_fast_bf16
-
-    return cpu_has_fast_bf16()
-
-
 def _native_bf16() -> Any:
     """dflash's bf16 GEMM where oneDNN has no native bf16 on this CPU (else None)."""
-    if _onednn_bf16():
+    if cpu_has_fast_bf16():
         return None
     from runtime.engine.kernels import bf16_gemm
 
@@ -111,7 +108,7 @@ class FusedLinear:
         self.bf16: Any = None  # bf16 mode: dflash's native bf16 GEMM (CPUs without oneDNN bf16)
         if self.packed and weights[0].dtype == torch.bfloat16 and weights[0].device.type == "cpu":
             self.bf16 = _native_bf16()
-            self.packed = self.bf16 is not None or _onednn_bf16()
+            self.packed = self.bf16 is not None or cpu_has_fast_bf16()
         self.weight: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
         self.scale: torch.Tensor | None = None  # int8 mode: per-row scales (bf16)
@@ -167,7 +164,7 @@ class FusedLinear:
             return True
         if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
             return False
-        return dtype == torch.float32 or _onednn_bf16()
+        return dtype == torch.float32 or cpu_has_fast_bf16()
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Outputs of every layer for input rows ``x`` [T, in_features] -> ([T, out_i], ...)."""

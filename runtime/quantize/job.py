@@ -13,13 +13,12 @@ Steps of ``quantize_pair``:
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -288,7 +287,7 @@ def quantize_pair(
     _warm_imports(pair.target_dir)
     # both pairs with the activation dtype the saved folder reloads with (auto: float32 on CPUs
     # without native bf16), so that the report and the reload check compare like with like
-    runtime = dataclasses.replace(req.runtime, dtype=dtype_name(dtype))
+    runtime = replace(req.runtime, dtype=dtype_name(dtype))
     base = load_pipeline(req.ref, runtime, req.load, progress=status)
     load_before = base.load_seconds
     prompts = report_prompts(base, req.report_prompts) if req.report else []

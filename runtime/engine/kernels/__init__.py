@@ -1,11 +1,11 @@
 """Small native kernels for CPU decode steps, compiled on first use (no build step at install).
 
-``gemm.c`` (AVX2 + FMA, OpenMP), float32 activations and accumulation:
+``gemm.c`` (AVX2 + FMA, OpenMP), float32 inputs and outputs:
 
-- ``int8_gemm``: int8 weight-only GEMM (one scale per output row). ATen's own
-  ``_weight_int8pack_mm`` reaches about a third of the memory bandwidth on AVX2 CPUs and takes
-  bf16 activations.
-- ``bf16_gemm``: bfloat16 weights, widened to float32 exactly. On CPUs without native bf16
+- ``int8_gemm``: int8 weights (one scale per output row) x activations rounded per row to 15-bit
+  integers, exact int32 sums. ATen's own ``_weight_int8pack_mm`` reaches about a third of the
+  memory bandwidth on AVX2 CPUs and takes bf16 activations.
+- ``bf16_gemm``: bfloat16 weights, widened to float32 exactly, float32 accumulation. On CPUs without native bf16
   (AVX2, AVX-512 without BF16) oneDNN and ATen emulate bf16 GEMMs several times slower than
   float32; this reads half float32's bytes at float32's arithmetic.
 
