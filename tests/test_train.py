@@ -426,6 +426,32 @@ def test_prompt_generator_kinds_mix_and_dedupe():
     assert not idx.matches("Write a Python function that reverses a linked list.")
 
 
+def test_generation_batches_hold_prompts_of_similar_length(tmp_path):
+    from runtime.train.api import BUCKET_BATCHES, _prompt_chars, bucket_by_length, stored_prompts
+    from runtime.train.prompts import TrainPrompt
+
+    rng = __import__("random").Random(1)
+    prompts = [TrainPrompt("x" * int(rng.lognormvariate(5, 1)), True, f"k{i % 5}:{i}") for i in range(300)]
+    out = bucket_by_length(prompts, 8, seed=0)
+    assert sorted(p.source for p in out) == sorted(p.source for p in prompts)  # same prompts, once each
+
+    def padded(ps):  # prefill work of left-padded batches of 8
+        return sum(max(map(_prompt_chars, ps[i : i + 8])) * len(ps[i : i + 8]) for i in range(0, len(ps), 8))
+
+    useful = sum(map(_prompt_chars, prompts))
+    assert padded(prompts) > 2 * useful and padded(out) < 0.6 * padded(prompts)  # long-tailed, as the generator's
+    window = 8 * BUCKET_BATCHES  # each window keeps its own prompts (the kind mix of any prefix stays)
+    assert {p.source for p in out[:window]} == {p.source for p in prompts[:window]}
+    assert out == bucket_by_length(prompts, 8, seed=0)  # deterministic: shards resume
+
+    # a dataset extended later keeps its stored prompts in place and orders only the new ones
+    spec = DataSpec(num_prompts=40, batch_size=8, generator="v1")
+    first = stored_prompts(tmp_path, spec)
+    more = stored_prompts(tmp_path, DataSpec(num_prompts=90, batch_size=8, generator="v1"))
+    assert len(first) == 40 and len(more) == 90 and more[:40] == first
+    assert stored_prompts(tmp_path, DataSpec(num_prompts=90, batch_size=8, generator="v1")) == more
+
+
 def test_ood_set_loads_and_is_held_out():
     from runtime.bench.datasets import load_dataset
     from runtime.train.dedupe import evaluation_texts
