@@ -24,7 +24,7 @@ from runtime.engine.device import dtype_name, resolve_device, resolve_dtype
 from runtime.engine.drafter import DFlashDraftModel, DraftModelConfig, load_draft_model
 from runtime.engine.events import DecodeEvent
 from runtime.engine.lean_target import LeanTarget, lean_supported
-from runtime.engine.linear import int8_linears, pack_linears
+from runtime.engine.linear import activations_in, all_linears_packed, int8_linears, pack_linears
 from runtime.engine.target import TargetModel
 from runtime.engine.tree_budget import DEFAULT_TREE_COST, AdaptiveTreeBudget
 from runtime.engine.tree_decoder import TreeDecoder, tree_attention_support
@@ -459,6 +459,7 @@ class Pipeline:
             "drafter_dir": str(self.pair.drafter_dir) if self.pair.drafter_dir else None,
             "device": str(self.device),
             "dtype": dtype_name(self.dtype),
+            "activations": dtype_name(self.target.dtype),
             "block_size": self.block_size,
             "quantization": self.quantization,
         }
@@ -533,6 +534,8 @@ def load_pipeline(
             int8_linears(drafter)  # beside an int8 target the drafter's GEMMs run in int8 too
         elif runtime.engine != "hf":
             pack_linears(drafter)  # inference only: packed oneDNN GEMMs on CPUs (no-op elsewhere)
+            if target.dtype != dtype and all_linears_packed(drafter):
+                activations_in(drafter, target.dtype)  # bf16 weights, float32 activations (LeanTarget)
         ids = drafter.draft_vocab_ids
         if ids is not None and ids.numel() and int(ids.max()) >= target.vocab_size:
             raise ModelLoadError(f"drafter draft vocabulary has ids beyond the target vocab ({target.vocab_size})")

@@ -146,6 +146,49 @@ def test_packed_bf16_matches_unpacked():
     assert "fc.weight" in drafter.state_dict()  # saving is unchanged
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_bf16_weights_with_float32_activations(arch, monkeypatch):
+    """Where bf16 runs on dflash's kernel (CPUs without native bf16; forced here, so that CPUs with
+    it test the path too), a bf16 target computes in float32 over its bf16 weights: the float32
+    forward of the bf16-rounded weights, and DFlash greedy (verify blocks, a bf16 drafter whose
+    norms follow the activations) equals plain greedy of that target."""
+    from runtime.engine import kernels, linear
+    from runtime.engine.linear import activations_in, all_linears_packed
+
+    monkeypatch.setattr(linear, "cpu_has_fast_bf16", lambda: False)  # as on an AVX2 CPU
+    if kernels.bf16_gemm() is None:
+        pytest.skip(f"dflash's bf16 kernel does not build here: {kernels.why_not()}")
+    assert FusedLinear.native_bf16_runs(torch.device("cpu"))
+    model = make_target(arch, vocab_size=96, seed=8).to(torch.bfloat16)
+    lean = LeanTarget(model)
+    assert lean.dtype == torch.float32 and lean.embed.weight.dtype == torch.bfloat16
+    rounded = LeanTarget(make_target(arch, vocab_size=96, seed=8).to(torch.bfloat16).float())
+    lean.set_taps([0, 2, 3])
+    rounded.set_taps([0, 2, 3])
+    with torch.inference_mode():
+        c1, c2 = lean.new_cache(), rounded.new_cache()
+        assert c1.k[0].dtype == torch.float32
+        for n in (7, 1, 4):
+            x = _ids(n, 96, seed=n)
+            l1, f1 = lean.forward(x, c1)
+            l2, f2 = rounded.forward(x, c2)
+            assert l1.dtype == torch.float32
+            torch.testing.assert_close(l1, l2, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(f1, f2, rtol=1e-4, atol=1e-4)
+    drafter = make_drafter(model.config, block_size=4, taps=[0, 2, 3]).to(torch.bfloat16)
+    pack_linears(drafter)
+    assert all_linears_packed(drafter)
+    activations_in(drafter, lean.dtype)
+    assert drafter.norm.weight.dtype == torch.float32
+    params = SamplingParams(max_new_tokens=16)
+    rng = random.Random(3)
+    for _ in range(4):
+        p = [rng.randrange(96) for _ in range(rng.randint(1, 8))]
+        ref = lean_greedy_reference(lean, p, 16)
+        assert collect_ids(list(AutoregressiveDecoder(lean).stream(p, params))) == ref
+        assert collect_ids(list(DFlashDecoder(lean, drafter, block_size=4).stream(p, params))) == ref
+
+
 @pytest.mark.skipif(not FusedLinear.can_pack(torch.device("cpu"), torch.float32), reason="no oneDNN here")
 def test_packed_float32_matches_unpacked():
     """float32 weights are packed too (oneDNN's small-row GEMMs beat the BLAS path on AVX2 CPUs): the

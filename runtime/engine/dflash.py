@@ -50,7 +50,9 @@ class DraftHead:
             bias = bias[ids] if bias is not None else None
         self.weight, self.bias, self.ids = weight, bias, ids
         # a reduced head is a copy: pack it once for oneDNN where that runs (runtime.engine.linear)
-        pack = ids is not None and FusedLinear.can_pack(weight.device, weight.dtype) and type(weight) is torch.Tensor
+        # (the full head is packed too where the target computes in another dtype than its weights)
+        pack = (ids is not None or weight.dtype != target.dtype) and type(weight.data) is torch.Tensor
+        pack = pack and FusedLinear.can_pack(weight.device, weight.dtype)
         self._packed = FusedLinear([_Plain(weight, bias)], pack=True) if pack else None
         if target.int8 and type(weight) is torch.Tensor:
             # beside an int8 target (its own head in int8), the draft head is read in int8 as well

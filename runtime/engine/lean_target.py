@@ -11,7 +11,13 @@ decode step's cost on a CPU:
 - a static KV cache (``StaticKVCache``): fixed capacity, new entries written in place, cropping
   moves a length, compaction keeps chosen slots (tree verification);
 - tapped layer outputs are collected inline (no forward hooks) and logits are computed only for
-  the rows asked for.
+  the rows asked for;
+- bf16 weights on a CPU without native bf16 arithmetic (AVX2, AVX-512 without BF16) keep float32
+  activations: the projections read the bf16 weights through dflash's native kernel (which widens
+  them to float32 in registers and takes float32 rows anyway), and everything between them (norms,
+  rotary embedding, attention, the KV cache) runs in float32 instead of emulated bf16, where every
+  elementwise op converts. Same bytes of weights per step, less time around the GEMMs, and a verify
+  block computes exactly what one-token steps compute (as in float32).
 
 The math mirrors transformers' modelling code (RMSNorm in float32, RoPE from the model's own
 rotary module, SDPA with grouped-query attention), so greedy outputs match the transformers path
@@ -121,23 +127,34 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+class _CastEmbedding:
+    """The target's input embedding, looked up in its weight dtype and returned in ``dtype`` (the
+    activations'); ``weight`` is the embedding's own (borrowed by the drafter and by training)."""
+
+    def __init__(self, embed: nn.Embedding, dtype: torch.dtype) -> None:
+        self.inner, self.weight, self.dtype = embed, embed.weight, dtype
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.inner(ids).to(self.dtype)
+
+
 class _Layer:
     """One decoder layer's weights, read from the transformers module."""
 
-    def __init__(self, layer: Any, pack: bool) -> None:
+    def __init__(self, layer: Any, pack: bool, act: torch.dtype) -> None:
         # a transformers decoder layer (dynamic attributes: typed Any)
         attn, mlp = layer.self_attn, layer.mlp
         self.qkv = FusedLinear([attn.q_proj, attn.k_proj, attn.v_proj], pack)
         self.o = FusedLinear([attn.o_proj], pack)
         self.gate_up = FusedLinear([mlp.gate_proj, mlp.up_proj], pack)
         self.down = FusedLinear([mlp.down_proj], pack)
-        self.ln1 = layer.input_layernorm.weight
-        self.ln2 = layer.post_attention_layernorm.weight
+        self.ln1 = layer.input_layernorm.weight.detach().to(act)
+        self.ln2 = layer.post_attention_layernorm.weight.detach().to(act)
         self.eps1 = float(layer.input_layernorm.variance_epsilon)
         self.eps2 = float(layer.post_attention_layernorm.variance_epsilon)
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-        self.q_norm = q_norm.weight if q_norm is not None else None
-        self.k_norm = k_norm.weight if k_norm is not None else None
+        self.q_norm = q_norm.weight.detach().to(act) if q_norm is not None else None
+        self.k_norm = k_norm.weight.detach().to(act) if k_norm is not None else None
         self.qk_eps = float(q_norm.variance_epsilon) if q_norm is not None else 0.0
         self.scaling = float(attn.scaling)
 
@@ -149,24 +166,32 @@ class LeanTarget(TargetModel):
         model: a transformers Llama/Qwen2/Qwen3 causal LM (``lean_supported(model)`` is None).
         pack: pack weights for oneDNN (CPU, bf16/fp32 plain tensors); False keeps the module weights
             and calls them (quantized tensor subclasses, CUDA).
+        float_activations: compute activations in float32 over bf16 weights (None: where the bf16
+            projections run on dflash's native kernel, i.e. CPUs without native bf16; see the
+            module docstring).
     """
 
-    def __init__(self, model: nn.Module, pack: bool | None = None) -> None:
+    def __init__(self, model: nn.Module, pack: bool | None = None, float_activations: bool | None = None) -> None:
         super().__init__(model)
         why = lean_supported(model)
         if why is not None:
             raise ValueError(f"the lean forward cannot run this model: {why}")
         cfg = self.config
+        weights = self.embed.weight.dtype
         if pack is None:
-            pack = FusedLinear.can_pack(self.device, self.dtype)
+            pack = FusedLinear.can_pack(self.device, weights)
         self.packed = pack
+        if float_activations is None:
+            float_activations = pack and weights == torch.bfloat16 and FusedLinear.native_bf16_runs(self.device)
+        act = torch.float32 if float_activations else weights
+        self.act_dtype = act
         self.n_heads = int(cfg.num_attention_heads)
         self.n_kv = int(getattr(cfg, "num_key_value_heads", None) or self.n_heads)
         attn0: Any = self.layers[0].self_attn
         self.head_dim = int(attn0.head_dim)
-        self.lean_layers = [_Layer(layer, pack) for layer in self.layers]
+        self.lean_layers = [_Layer(layer, pack, act) for layer in self.layers]
         inner: Any = model.model
-        self.final_norm = inner.norm.weight
+        self.final_norm = inner.norm.weight.detach().to(act)
         self.final_eps = float(inner.norm.variance_epsilon)
         self.rotary = inner.rotary_emb
         self.head = FusedLinear([self.lm_head], pack)
@@ -178,6 +203,15 @@ class LeanTarget(TargetModel):
         self._cos = torch.empty(0)
         self._sin = torch.empty(0)
         self._compiled: Any = None  # torch.compile'd _body (see compile)
+        if act != weights:
+            self.embed = _CastEmbedding(self.embed, act)  # type: ignore[assignment]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Dtype of the activations, the KV cache and the logits (float32 over bf16 weights on CPUs
+        without native bf16, else the weights')."""
+        act: torch.dtype | None = self.__dict__.get("act_dtype")
+        return act if act is not None else self.embed.weight.dtype
 
     # -- caches --------------------------------------------------------------------------------
     def new_cache(self, capacity: int = 512) -> StaticKVCache:

@@ -166,6 +166,12 @@ class FusedLinear:
             return False
         return dtype == torch.float32 or cpu_has_fast_bf16()
 
+    @staticmethod
+    def native_bf16_runs(device: torch.device) -> bool:
+        """True where bf16 weights run on dflash's native bf16 GEMM (a CPU without oneDNN bf16 where
+        the kernel builds): it takes float32 rows, so float32 activations cost nothing extra there."""
+        return device.type == "cpu" and _native_bf16() is not None
+
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Outputs of every layer for input rows ``x`` [T, in_features] -> ([T, out_i], ...)."""
         if torch.compiler.is_compiling() and (self.native is not None or self.bf16 is not None or self.packed):
@@ -238,6 +244,23 @@ def pack_linears(module: nn.Module) -> int:
                 setattr(parent, name, PackedLinear(child))
                 count += 1
     return count
+
+
+def all_linears_packed(module: nn.Module) -> bool:
+    """True when ``module`` holds no ``nn.Linear`` that ``pack_linears`` left unpacked."""
+    return not any(type(m) is nn.Linear for m in module.modules())
+
+
+def activations_in(module: nn.Module, dtype: torch.dtype) -> None:
+    """Cast the parameters that are not packed projections (norm scales, biases of other layers)
+    to ``dtype``, so that a module with packed bf16 projections runs on ``dtype`` activations (the
+    packed GEMMs return their input's dtype; the registered bf16 weights stay as they are)."""
+    for sub in module.modules():
+        if isinstance(sub, PackedLinear | Int8Linear):
+            continue
+        for name, param in list(sub.named_parameters(recurse=False)):
+            if param.is_floating_point() and param.dtype != dtype:
+                setattr(sub, name, nn.Parameter(param.detach().to(dtype), requires_grad=False))
 
 
 class Int8Linear(nn.Module):
