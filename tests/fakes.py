@@ -261,6 +261,18 @@ def collect_ids(events: Sequence[DecodeEvent]) -> list[int]:
     return [t.token_id for e in events if not isinstance(e, Finished) for t in e.tokens]
 
 
+def greedy_pair(
+    target: Any, drafter: Any, prompt: Sequence[int], n: int, **dflash_kw: Any
+) -> tuple[list[int], list[int]]:
+    """Greedy ids of plain decoding and of DFlash (``dflash_kw``: e.g. ``block_size``) on ``target``,
+    for tests that hold both to one reference."""
+    from runtime.engine import AutoregressiveDecoder
+
+    params = SamplingParams(max_new_tokens=n)
+    plain = collect_ids(list(AutoregressiveDecoder(target).stream(prompt, params)))
+    return plain, collect_ids(list(DFlashDecoder(target, drafter, **dflash_kw).stream(prompt, params)))
+
+
 def make_stats(**kw: Any) -> GenerationStats:
     """GenerationStats with defaults for fakes."""
     base: dict[str, Any] = dict(

@@ -9,14 +9,13 @@ import random
 import pytest
 import torch
 
-from runtime.config import RuntimeConfig, SamplingParams
-from runtime.engine import AutoregressiveDecoder, DFlashDecoder
+from runtime.config import RuntimeConfig
 from runtime.engine.lean_target import LeanTarget, StaticKVCache, lean_supported
 from runtime.engine.linear import FusedLinear, pack_linears
 from runtime.engine.target import TargetModel
 from runtime.errors import ConfigError
 from runtime.pipeline import make_target as wrap_target
-from tests.fakes import collect_ids, greedy_reference, lean_greedy_reference, make_drafter, make_target
+from tests.fakes import greedy_pair, greedy_reference, lean_greedy_reference, make_drafter, make_target
 
 ARCHS = ["qwen3", "qwen2", "llama"]
 
@@ -90,13 +89,11 @@ def test_lean_dflash_greedy_equals_transformers_plain_greedy(arch, block):
     model = make_target(arch, vocab_size=96, seed=2)
     lean = LeanTarget(model)
     drafter = make_drafter(model.config, block_size=block, taps=[0, 2, 3])
-    params = SamplingParams(max_new_tokens=20)
     rng = random.Random(block)
     for _ in range(8):
         p = [rng.randrange(96) for _ in range(rng.randint(1, 10))]
         ref = greedy_reference(model, p, 20)  # cache-free transformers greedy decoding
-        assert collect_ids(list(AutoregressiveDecoder(lean).stream(p, params))) == ref
-        assert collect_ids(list(DFlashDecoder(lean, drafter, block_size=block).stream(p, params))) == ref
+        assert greedy_pair(lean, drafter, p, 20, block_size=block) == (ref, ref)
 
 
 def test_static_cache_grows_and_crops():
@@ -180,13 +177,11 @@ def test_bf16_weights_with_float32_activations(arch, monkeypatch):
     assert all_linears_packed(drafter)
     activations_in(drafter, lean.dtype)
     assert drafter.norm.weight.dtype == torch.float32
-    params = SamplingParams(max_new_tokens=16)
     rng = random.Random(3)
     for _ in range(4):
         p = [rng.randrange(96) for _ in range(rng.randint(1, 8))]
         ref = lean_greedy_reference(lean, p, 16)
-        assert collect_ids(list(AutoregressiveDecoder(lean).stream(p, params))) == ref
-        assert collect_ids(list(DFlashDecoder(lean, drafter, block_size=4).stream(p, params))) == ref
+        assert greedy_pair(lean, drafter, p, 16, block_size=4) == (ref, ref)
 
 
 @pytest.mark.skipif(not FusedLinear.can_pack(torch.device("cpu"), torch.float32), reason="no oneDNN here")
@@ -246,13 +241,11 @@ def test_lean_forward_on_quantized_target_equals_its_plain_greedy(scheme):
     assert all(lay.qkv.int8 and lay.down.int8 for lay in lean.lean_layers) == int8
     assert lean.head.int8 == int8
     drafter = make_drafter(model.config, block_size=6)
-    params = SamplingParams(max_new_tokens=16)
     rng = random.Random(scheme)
     for _ in range(3):
         p = [rng.randrange(96) for _ in range(rng.randint(2, 10))]
         ref = lean_greedy_reference(lean, p, 16) if int8 else greedy_reference(model, p, 16)
-        assert collect_ids(list(AutoregressiveDecoder(lean).stream(p, params))) == ref
-        assert collect_ids(list(DFlashDecoder(lean, drafter).stream(p, params))) == ref
+        assert greedy_pair(lean, drafter, p, 16) == (ref, ref)
 
 
 def test_lean_int8_logits_stay_close_to_the_quantized_modules():

@@ -12,7 +12,6 @@ from safetensors import safe_open
 from torch import nn
 
 from runtime import LoadOptions, ModelRef, RuntimeConfig, SamplingParams, load_pipeline
-from runtime.engine import AutoregressiveDecoder, DFlashDecoder
 from runtime.engine.target import TargetModel
 from runtime.errors import ConfigError, ModelLoadError
 from runtime.quantize.io import QUANT_KEY, read_saved_quantization
@@ -27,7 +26,15 @@ from runtime.quantize.schemes import (
     quantize_model_inplace,
     weight_bytes,
 )
-from tests.fakes import OracleDecoder, collect_ids, greedy_reference, lean_greedy_reference, make_drafter, make_target
+from tests.fakes import (
+    OracleDecoder,
+    collect_ids,
+    greedy_pair,
+    greedy_reference,
+    lean_greedy_reference,
+    make_drafter,
+    make_target,
+)
 
 CPU = RuntimeConfig(device="cpu", dtype="float32")
 TORCHAO = ("int8", "int4")
@@ -90,8 +97,7 @@ def test_dflash_on_quantized_target_equals_its_plain_greedy(scheme):
     for i in range(3):
         p = [rng.randrange(96) for _ in range(rng.randint(2, 10))]
         ref = greedy_reference(model, p, 16)  # cache-free greedy of the quantized model
-        assert collect_ids(list(AutoregressiveDecoder(target).stream(p, params))) == ref
-        assert collect_ids(list(DFlashDecoder(target, drafter).stream(p, params))) == ref
+        assert greedy_pair(target, drafter, p, 16) == (ref, ref)
         events = list(OracleDecoder(target, drafter, corrupt=0.3, seed=i).stream(p, params))
         assert collect_ids(events) == ref
         taus.append(events[-1].stats.tau)
