@@ -210,8 +210,7 @@ class LeanTarget(TargetModel):
     def dtype(self) -> torch.dtype:
         """Dtype of the activations, the KV cache and the logits (float32 over bf16 weights on CPUs
         without native bf16, else the weights')."""
-        act: torch.dtype | None = self.__dict__.get("act_dtype")
-        return act if act is not None else self.embed.weight.dtype
+        return self.act_dtype
 
     # -- caches --------------------------------------------------------------------------------
     def new_cache(self, capacity: int = 512) -> StaticKVCache:

@@ -189,6 +189,17 @@ static inline __attribute__((always_inline)) void tile(const int8_t *w, int64_t 
         }
 }
 
+/* Scale a tile's exact sums (NW weight rows x MX input rows, dots[a * MX + b]) into y (row stride N):
+ * y[b][a] = dots * (xs[b] * scale[a]) (+ bias[a]); the one epilogue of both int8 paths. */
+static inline void store_dots(const int64_t *dots, int NW, int MX, const float *xs, const float *scale, const float *bias,
+                              int64_t N, float *y) {
+    for (int a = 0; a < NW; a++)
+        for (int b = 0; b < MX; b++) {
+            float v = (float)dots[a * MX + b] * (xs[b] * scale[a]);
+            y[b * N + a] = bias ? v + bias[a] : v;
+        }
+}
+
 /* weight rows [n, n + NW) against every input row */
 static inline __attribute__((always_inline)) void int8_rows(const int8_t *w, int64_t K, const int16_t *xq, int64_t Kp, const float *xs, int64_t M,
                              int64_t N, int64_t n, int NW, const float *scale, const float *bias, float *y) {
@@ -201,11 +212,7 @@ static inline __attribute__((always_inline)) void int8_rows(const int8_t *w, int
             T(1, 1) T(1, 2) T(1, 3) T(1, 4) T(1, 5) T(1, 6) T(1, 7) T(1, 8)
 #undef T
         }
-        for (int a = 0; a < NW; a++)
-            for (int b = 0; b < MX; b++) {
-                float v = (float)dots[a * MX + b] * (xs[m + b] * scale[n + a]);
-                y[(m + b) * N + n + a] = bias ? v + bias[n + a] : v;
-            }
+        store_dots(dots, NW, MX, xs + m, scale + n, bias ? bias + n : NULL, N, y + m * N + n);
         m += MX;
     }
 }
@@ -262,10 +269,7 @@ V512 static void int8_rows512(const int8_t *w, int64_t K, const int16_t *xq, int
             T(1) T(2) T(3) T(4) T(5) T(6) T(7) T(8)
 #undef T
         }
-        for (int b = 0; b < MX; b++) {
-            float v = (float)dots[b] * (xs[m + b] * scale[n]);
-            y[(m + b) * N + n] = bias ? v + bias[n] : v;
-        }
+        store_dots(dots, 1, MX, xs + m, scale + n, bias ? bias + n : NULL, N, y + m * N + n);
         m += MX;
     }
 }
