@@ -547,3 +547,24 @@ def test_cli_train_from_an_existing_drafter(tiny, tmp_path, monkeypatch):
     ]
     bad = CliRunner().invoke(app, clash)
     assert bad.exit_code == 2 and "differs from --from-drafter" in bad.output
+
+
+def test_cli_data_seed_draws_other_prompts(tiny, tmp_path):
+    """--data-seed samples a new dataset's prompts with another seed (a second dataset for more
+    breadth); the dataset records it, and extending it later keeps drawing with that seed."""
+    from runtime.train.api import PROMPTS_FILE
+
+    _, target_dir, _, _ = tiny
+    base = ["train", "--target", str(target_dir), "--taps", "1,2,3", "--data-only", "--dtype", "float32"]
+    base += ["--prompts", "8", "--gen-batch", "8", "--answer-tokens", "4"]
+    texts = {}
+    for seed in (0, 5):
+        out = tmp_path / f"s{seed}"
+        r = CliRunner().invoke(app, [*base, "--out", str(out), "--data-seed", str(seed)])
+        assert r.exit_code == 0, r.output
+        meta = json.loads((out / "data" / "dataset.json").read_text())
+        assert meta["spec"]["seed"] == seed
+        rows = (out / "data" / PROMPTS_FILE).read_text().splitlines()
+        texts[seed] = [json.loads(line)["text"] for line in rows]
+        assert len(texts[seed]) == 8
+    assert set(texts[0]) != set(texts[5])

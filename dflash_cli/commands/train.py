@@ -59,6 +59,14 @@ def train(
     ] = None,
     answer_tokens: Annotated[int, typer.Option("--answer-tokens", help="Max tokens per generated answer.")] = 320,
     gen_batch: Annotated[int, typer.Option("--gen-batch", help="Answers generated together.")] = 32,
+    data_seed: Annotated[
+        int,
+        typer.Option(
+            "--data-seed",
+            help="Prompt sampling seed of a new dataset: another seed draws other prompts from the same "
+            "sources (an existing dataset keeps its own).",
+        ),
+    ] = 0,
     layers: Annotated[int, typer.Option("--layers", help="Drafter decoder layers.")] = 1,
     block_size: Annotated[int, typer.Option("--block-size", "-b", help="Drafter block size.")] = 8,
     taps: Annotated[str | None, typer.Option("--taps", help="Target layers to tap, e.g. 1,6,11,16,21.")] = None,
@@ -197,7 +205,7 @@ def train(
         pipe.tokenizer,
         data_dir,
         data_taps,
-        DataSpec(num_prompts=prompts, max_new_tokens=answer_tokens, batch_size=gen_batch, topk=topk),
+        DataSpec(num_prompts=prompts, max_new_tokens=answer_tokens, batch_size=gen_batch, seed=data_seed, topk=topk),
         pipe.stop_token_ids,
         progress=lambda p: say(
             f"  shard {p['shard'] + 1}/{p['shards']}: {p['tokens']} tokens this run, {p['seconds']:.0f}s"
