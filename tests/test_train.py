@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from dflash_cli.app import app
@@ -393,6 +394,12 @@ def test_vocab_choice_rules():
     assert [r["n"] for r in rep["rows"]] == [10, 100, 1000, 150_000]
     assert rep["rows"][1]["oov_share"] == pytest.approx(1 / 101, abs=1e-4)
     assert vocab.vocab_ids(train, 10, always=[999]).tolist() == [*range(9), 999]
+    # a fine-tune ranks its source drafter's ids first (here rare or unseen in this run's data)
+    prior = [998, 5000]
+    assert vocab.ranked_tokens(train, prior)[:3] == [998, 5000, 0]
+    assert vocab.vocab_ids(train, 5, prior=prior).tolist() == [0, 1, 2, 998, 5000]
+    assert vocab.oov_share(vocab.ranked_tokens(train, prior), held, 102) == 0.0  # 5000 is covered now
+    assert vocab.choose_size(train, held, 150_000, max_oov=0.001, prior=prior) == 512
 
 
 def test_prompt_generator_kinds_mix_and_dedupe():
@@ -529,6 +536,17 @@ def test_cli_train_from_an_existing_drafter(tiny, tmp_path, monkeypatch):
     assert "acceptance_conditional" not in cfg["dflash_config"] or cfg["dflash_training"].get("evaluation")
     card = (second / "drafter" / "README.md").read_text()
     assert "fine-tuned from the drafter `first/drafter`" in card
+
+    # fine-tuning a drafter with a reduced vocabulary into a larger one keeps every source id
+    def vocab_of(run, source, n):
+        args = [*base, "--out", str(run), "--from-drafter", str(source / "drafter"), "--steps", "1"]
+        r = CliRunner().invoke(app, [*args, "--draft-vocab", str(n)])
+        assert r.exit_code == 0, r.output
+        return set(load_file(str(run / "drafter" / "model.safetensors"))["draft_vocab_ids"].tolist())
+
+    narrow = vocab_of(tmp_path / "narrow", first, 24)
+    wider = vocab_of(tmp_path / "wider", tmp_path / "narrow", 36)  # the tiny data has ~40 distinct tokens
+    assert len(narrow) == 24 and len(wider) == 36 and narrow < wider
 
     bad = CliRunner().invoke(
         app, [*base, "--out", str(tmp_path / "x"), "--from-drafter", str(tmp_path), "--steps", "1"]

@@ -94,7 +94,7 @@ def train(
         typer.Option(
             "--from-drafter",
             help="Start from an existing drafter (a folder, or 'embedded' for the shipped one) and fine-tune it "
-            "on this run's data; it keeps its architecture, the draft vocabulary is chosen anew.",
+            "on this run's data; it keeps its architecture; the draft vocabulary is chosen anew, its own ids first.",
         ),
     ] = None,
     eval_every: Annotated[

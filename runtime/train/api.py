@@ -61,7 +61,8 @@ class DrafterSpec:
             where shapes allow, ``init_from_target``).
         from_drafter: start from this existing drafter folder instead (fine-tune / warm start): its
             architecture (layers, taps, block size, widths, mask token) and weights are kept, the
-            draft vocabulary is chosen anew from the data; the other architecture fields are ignored.
+            draft vocabulary is chosen anew from the data (the source's ids ranked first); the other
+            architecture fields are ignored.
     """
 
     num_layers: int = 1
@@ -425,7 +426,8 @@ def warm_start(source: Path, target: TargetModel, data_taps: Sequence[int]) -> t
     """An existing drafter as the starting point of a new run (fine-tuning on new data).
 
     The drafter keeps its architecture and weights; only its draft vocabulary is chosen anew (the
-    layers do not depend on it: the head is the target's own lm_head restricted to the chosen ids).
+    layers do not depend on it: the head is the target's own lm_head restricted to the chosen ids),
+    with its own ids ranked first (``choose_draft_vocab``).
 
     Raises:
         ConfigError: the drafter does not fit the target (hidden size, vocabulary, layer count) or
@@ -457,7 +459,7 @@ def warm_start(source: Path, target: TargetModel, data_taps: Sequence[int]) -> t
         "source_train_seconds": previous.get("train_seconds"),
         "source_draft_vocab": int(drafter.draft_vocab_ids.numel()) if drafter.draft_vocab_ids is not None else None,
     }
-    drafter.draft_vocab_ids = None  # chosen anew from this run's data
+    # the draft vocabulary is chosen anew from this run's data, its own ids ranked first (choose_draft_vocab)
     # the source's own record and measured acceptance describe another run: not carried over
     dc.raw.pop("dflash_training", None)
     dc.raw.pop("training", None)
@@ -470,26 +472,29 @@ def choose_draft_vocab(
     drafter: Any, train: ShardDataset, val: ShardDataset, spec: DrafterSpec, vocab_size: int, always: Sequence[int]
 ) -> dict[str, Any]:
     """Set ``drafter.draft_vocab_ids`` from ``spec.draft_vocab`` (N, 0 = full, or "auto") and return
-    the coverage report (OOV share on the held-out shard vs N, head cost; ``runtime.train.vocab``)."""
+    the coverage report (OOV share on the held-out shard vs N, head cost; ``runtime.train.vocab``).
+    A drafter that already has a reduced vocabulary (a warm start) keeps its ids ranked first."""
     train_counts = vocab_mod.answer_counts(train)
     held = vocab_mod.answer_counts(val)
+    source = drafter.draft_vocab_ids
+    prior = source.tolist() if source is not None else []
     layer_params = sum(p.numel() for p in drafter.layers.parameters())
     report = vocab_mod.coverage_report(
-        train_counts, held, vocab_size, drafter.config.hidden_size, layer_params, always=always
+        train_counts, held, vocab_size, drafter.config.hidden_size, layer_params, always=always, prior=prior
     )
     if spec.draft_vocab == "auto":
-        n = vocab_mod.choose_size(train_counts, held, vocab_size, spec.max_oov, always)
+        n = vocab_mod.choose_size(train_counts, held, vocab_size, spec.max_oov, always, prior)
         rule = f"auto: smallest N with held-out OOV share <= {spec.max_oov:.1%} (0 = full vocabulary)"
     else:
         n = int(spec.draft_vocab)
         rule = "given" if n else "full vocabulary"
-    drafter.draft_vocab_ids = vocab_mod.vocab_ids(train_counts, n, always) if n else None
+    drafter.draft_vocab_ids = vocab_mod.vocab_ids(train_counts, n, always, prior) if n else None
     chosen = int(drafter.draft_vocab_ids.numel()) if n else vocab_size
     report["chosen"] = {
         "n": chosen,
         "full": not n,
         "rule": rule,
-        "oov_share": round(vocab_mod.oov_share(vocab_mod.ranked_tokens(train_counts), held, chosen, always), 5)
+        "oov_share": round(vocab_mod.oov_share(vocab_mod.ranked_tokens(train_counts, prior), held, chosen, always), 5)
         if n
         else 0.0,
     }

@@ -5,6 +5,10 @@ training data). A target token outside them can never be drafted: the out-of-voc
 of held-out answer tokens is a hard ceiling on acceptance at every slot. The head costs 2*N*D
 multiply-adds per drafted slot, next to about 2*P for the drafter's P layer parameters.
 
+A fine-tuned drafter (``--from-drafter``) ranks its source's draft vocabulary first (``prior``):
+those ids stand for the earlier datasets' answers, which this run's data no longer holds, so a
+fine-tune on new data widens the vocabulary instead of trading old tokens for new ones.
+
 ``coverage_report`` measures the OOV share on the held-out shard for a range of N;
 ``choose_size`` picks the smallest N whose OOV share is at most ``max_oov`` (``--draft-vocab auto``),
 or the full vocabulary when the training data cannot reach it.
@@ -34,9 +38,11 @@ def answer_counts(dataset: Any) -> Counter[int]:
     return counts
 
 
-def ranked_tokens(counts: Counter[int]) -> list[int]:
-    """Token ids, most frequent first (ties: smaller id first, so the order is reproducible)."""
-    return sorted(counts, key=lambda t: (-counts[t], t))
+def ranked_tokens(counts: Counter[int], prior: Sequence[int] = ()) -> list[int]:
+    """Token ids, most frequent first (ties: smaller id first, so the order is reproducible); the
+    ``prior`` ids (a source drafter's vocabulary) come before all others, in the same order."""
+    first = {int(t) for t in prior}
+    return sorted(set(counts) | first, key=lambda t: (t not in first, -counts.get(t, 0), t))
 
 
 def oov_share(ranked: Sequence[int], heldout: Counter[int], n: int, always: Sequence[int] = ()) -> float:
@@ -44,7 +50,8 @@ def oov_share(ranked: Sequence[int], heldout: Counter[int], n: int, always: Sequ
     total = sum(heldout.values())
     if total == 0:
         return 0.0
-    keep = set(ranked[: max(n - len(always), 0)]) | set(always)
+    fixed = set(always)
+    keep = {*[t for t in ranked if t not in fixed][: max(n - len(fixed), 0)], *fixed}
     return 1.0 - sum(c for t, c in heldout.items() if t in keep) / total
 
 
@@ -56,6 +63,7 @@ def coverage_report(
     layer_params: int,
     sizes: Sequence[int] = SIZES,
     always: Sequence[int] = (),
+    prior: Sequence[int] = (),
 ) -> dict[str, Any]:
     """OOV share of held-out answer tokens and head cost for each candidate draft vocabulary size.
 
@@ -67,12 +75,13 @@ def coverage_report(
         layer_params: parameters of the drafter's decoder layers (their cost per slot, 2 flops each).
         sizes: candidate N (capped at the ids seen in training; the full vocabulary is added).
         always: ids always kept (EOS).
+        prior: ids ranked first (a source drafter's vocabulary; see the module docstring).
 
     Returns:
         ``rows``: [{"n", "oov_share", "head_mflops_per_slot", "head_share"}], the last row being
         the full vocabulary (``n`` = V, OOV 0); plus counts of tokens seen.
     """
-    ranked = ranked_tokens(train_counts)
+    ranked = ranked_tokens(train_counts, prior)
     seen = len(set(ranked) | set(always))
     cands = sorted({n for n in sizes if n < seen} | {seen})
     rows = []
@@ -89,7 +98,8 @@ def coverage_report(
     return {
         "heldout_answer_tokens": int(sum(heldout.values())),
         "train_answer_tokens": int(sum(train_counts.values())),
-        "distinct_train_tokens": len(ranked),
+        "distinct_train_tokens": len(train_counts),
+        "prior_ids": len(set(prior)),
         "vocab_size": int(vocab_size),
         "rows": rows,
     }
@@ -101,11 +111,12 @@ def choose_size(
     vocab_size: int,
     max_oov: float = 0.01,
     always: Sequence[int] = (),
+    prior: Sequence[int] = (),
 ) -> int:
     """The smallest N (rounded up to a multiple of ``ROUND``) whose held-out OOV share is at most
     ``max_oov``; 0 (the full vocabulary) when even every token seen in training misses it, or when
     N would exceed half the vocabulary (the head then costs about as much as the full one)."""
-    ranked = ranked_tokens(train_counts)
+    ranked = ranked_tokens(train_counts, prior)
     total = sum(heldout.values())
     if total == 0:
         return 0
@@ -125,7 +136,11 @@ def choose_size(
     return 0 if n > vocab_size // 2 else min(n, len(set(ranked) | set(always)))
 
 
-def vocab_ids(train_counts: Counter[int], n: int, always: Sequence[int] = ()) -> torch.Tensor:
-    """The draft vocabulary: the ``n`` most frequent training answer tokens plus ``always``, sorted."""
-    ranked = ranked_tokens(train_counts)[: max(n - len(always), 0)]
-    return torch.tensor(sorted(set(ranked) | {int(t) for t in always}), dtype=torch.long)
+def vocab_ids(
+    train_counts: Counter[int], n: int, always: Sequence[int] = (), prior: Sequence[int] = ()
+) -> torch.Tensor:
+    """The draft vocabulary: the first ``n`` ranked ids (``prior``, then the most frequent training
+    answer tokens) plus ``always``, sorted."""
+    keep = {int(t) for t in always}
+    ranked = [t for t in ranked_tokens(train_counts, prior) if t not in keep][: max(n - len(keep), 0)]
+    return torch.tensor(sorted(set(ranked) | keep), dtype=torch.long)
