@@ -586,3 +586,45 @@ def test_cli_data_seed_draws_other_prompts(tiny, tmp_path):
         texts[seed] = [json.loads(line)["text"] for line in rows]
         assert len(texts[seed]) == 8
     assert set(texts[0]) != set(texts[5])
+
+
+def test_grown_drafter_starts_as_its_source_then_trains(tiny, tmp_path):
+    """--from-drafter with more --layers appends identity layers: before any update the grown
+    drafter's hidden states (hence its drafts) equal the source's; training then uses the new
+    layer, the card says so, and the grown drafter loads and runs. Fewer layers than the source's
+    exits 2."""
+    from runtime.train.api import grow_layers
+
+    _, target_dir, data_dir, _ = tiny
+    base = ["train", "--target", str(target_dir), "--data", str(data_dir), "--no-eval", "--no-ood-eval"]
+    base += ["--dtype", "float32", "--anchors", "8", "--taps", "1,3", "-b", "4", "--draft-vocab", "full"]
+    first = tmp_path / "first"
+    assert CliRunner().invoke(app, [*base, "--out", str(first), "--steps", "20"]).exit_code == 0
+    source = load_draft_model(first / "drafter", "cpu", torch.float32)
+    grown = grow_layers(source, 3)
+    assert len(grown.layers) == 3 and grown.config.num_hidden_layers == 3
+    torch.manual_seed(0)
+    ctx = torch.randn(1, 6, 2 * source.config.hidden_size)  # two taps
+    noise = torch.randn(1, 4, source.config.hidden_size)
+    with torch.no_grad():
+        pos = torch.arange(10).unsqueeze(0)
+        want = source(noise, source.fuse_context(ctx), pos)
+        got = grown(noise, grown.fuse_context(ctx), pos)
+    assert torch.allclose(want, got, atol=1e-6)
+
+    second = tmp_path / "second"
+    args = [*base, "--out", str(second), "--from-drafter", str(first / "drafter"), "--layers", "2", "--steps", "10"]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    cfg = json.loads((second / "drafter" / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 2 and len(cfg["layer_types"]) == 2
+    assert "grown from 1 to 2 layers" in (second / "drafter" / "README.md").read_text()
+    trained = load_draft_model(second / "drafter", "cpu", torch.float32)
+    assert trained.layers[1].self_attn.o_proj.weight.abs().sum() > 0  # the new layer learnt
+    run = CliRunner().invoke(
+        app, ["run", "--target", str(target_dir), "--drafter", str(second / "drafter"), "--raw", "-n", "8", "def"]
+    )
+    assert run.exit_code == 0, run.output
+    fewer = [*base, "--out", str(tmp_path / "x"), "--from-drafter", str(second / "drafter"), "--layers", "1"]
+    bad = CliRunner().invoke(app, [*fewer, "--steps", "1"])
+    assert bad.exit_code == 2 and "a fine-tune can only add layers" in bad.output

@@ -67,7 +67,14 @@ def train(
             "sources (an existing dataset keeps its own).",
         ),
     ] = 0,
-    layers: Annotated[int, typer.Option("--layers", help="Drafter decoder layers.")] = 1,
+    layers: Annotated[
+        int | None,
+        typer.Option(
+            "--layers",
+            help="Drafter decoder layers (default 1; with --from-drafter, more than its own appends new "
+            "layers that start as the identity).",
+        ),
+    ] = None,
     block_size: Annotated[int, typer.Option("--block-size", "-b", help="Drafter block size.")] = 8,
     taps: Annotated[str | None, typer.Option("--taps", help="Target layers to tap, e.g. 1,6,11,16,21.")] = None,
     intermediate_size: Annotated[int | None, typer.Option("--intermediate-size", help="Drafter MLP width.")] = None,
@@ -161,8 +168,10 @@ def train(
         if tap_ids is not None and tap_ids != src_taps:
             raise typer.BadParameter(f"--taps {list(tap_ids)} differs from --from-drafter's taps {list(src_taps)}")
         tap_ids = src_taps
+    if layers is not None and layers < 1:
+        raise typer.BadParameter(f"--layers must be >= 1, got {layers}")
     spec = DrafterSpec(
-        num_layers=layers,
+        num_layers=layers or 1,
         block_size=block_size,
         taps=tap_ids,
         intermediate_size=intermediate_size,
@@ -170,6 +179,7 @@ def train(
         max_oov=max_oov,
         init=init,
         from_drafter=source,
+        grow_to=layers if source is not None else None,
     )
     cfg = None
     if not data_only and (steps is not None or budget is not None):  # --resume alone keeps the run's schedule
@@ -195,7 +205,7 @@ def train(
     say = _printer()
     from runtime.engine.drafter import default_target_layer_ids
 
-    data_taps = tap_ids or tuple(default_target_layer_ids(pipe.target.num_layers, layers))
+    data_taps = tap_ids or tuple(default_target_layer_ids(pipe.target.num_layers, layers or 1))
     if resume and (out / "checkpoint" / "config.json").exists():
         raw = json.loads((out / "checkpoint" / "config.json").read_text())
         data_taps = tuple(raw["dflash_config"]["target_layer_ids"])
@@ -301,7 +311,13 @@ def _init_line(init: dict[str, Any]) -> str:
         return (
             f"fine-tuned from the drafter `{rep.get('source')}` ({rep.get('source_steps')} steps, "
             f"{rep.get('source_train_seconds')} s of earlier training, draft vocabulary "
-            f"{rep.get('source_draft_vocab')} ids before this run)"
+            f"{rep.get('source_draft_vocab')} ids before this run"
+            + (
+                f"; grown from {rep['grown_from_layers']} to {rep['grown_from_layers'] + rep['added_layers']} layers, "
+                "the new ones starting as the identity)"
+                if rep.get("added_layers")
+                else ")"
+            )
         )
     if rep and "source_layers" in rep:
         return (

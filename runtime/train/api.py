@@ -63,6 +63,8 @@ class DrafterSpec:
             architecture (layers, taps, block size, widths, mask token) and weights are kept, the
             draft vocabulary is chosen anew from the data (the source's ids ranked first); the other
             architecture fields are ignored.
+        grow_to: with ``from_drafter``, append identity-initialised layers up to this many
+            (``warm_start``; None keeps the source's layer count).
     """
 
     num_layers: int = 1
@@ -74,6 +76,7 @@ class DrafterSpec:
     max_oov: float = 0.01
     init: str = "random"
     from_drafter: Path | None = None
+    grow_to: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_layers < 1 or self.block_size < 2:
@@ -356,7 +359,7 @@ def fit(
             raise ConfigError(f"{ckpt} exists; pass --resume to continue it or choose another --out")
         meta = dataset_meta(data_dir)
     if not resume and spec.from_drafter is not None:
-        drafter, init_report = warm_start(spec.from_drafter, target, meta["taps"])
+        drafter, init_report = warm_start(spec.from_drafter, target, meta["taps"], spec.grow_to)
     elif not resume:
         taps = list(spec.taps) if spec.taps else list(meta["taps"])
         mask = spec.mask_token_id if spec.mask_token_id is not None else pick_mask_token_id(target.config, tokenizer)
@@ -422,18 +425,30 @@ def fit(
     return trainer
 
 
-def warm_start(source: Path, target: TargetModel, data_taps: Sequence[int]) -> tuple[Any, dict[str, Any]]:
+def warm_start(
+    source: Path, target: TargetModel, data_taps: Sequence[int], num_layers: int | None = None
+) -> tuple[Any, dict[str, Any]]:
     """An existing drafter as the starting point of a new run (fine-tuning on new data).
 
     The drafter keeps its architecture and weights; only its draft vocabulary is chosen anew (the
     layers do not depend on it: the head is the target's own lm_head restricted to the chosen ids),
-    with its own ids ranked first (``choose_draft_vocab``).
+    with its own ids ranked first (``choose_draft_vocab``). ``num_layers`` above the source's grows
+    it: new layers are appended after the source's, each starting as the identity (zero o_proj and
+    down_proj, ``init_drafter``), so the grown drafter drafts exactly as the source before its first
+    update and training only adds capacity.
 
     Raises:
-        ConfigError: the drafter does not fit the target (hidden size, vocabulary, layer count) or
-            taps layers the dataset does not hold.
+        ConfigError: the drafter does not fit the target (hidden size, vocabulary, layer count),
+            taps layers the dataset does not hold, or has more layers than ``num_layers``.
     """
     drafter = load_draft_model(source, "cpu", torch.float32)
+    n_source = len(drafter.layers)
+    if num_layers is not None and num_layers < n_source:
+        raise ConfigError(
+            f"--layers {num_layers} is fewer than drafter {source}'s {n_source}; a fine-tune can only add layers"
+        )
+    if num_layers is not None and num_layers > n_source:
+        drafter = grow_layers(drafter, num_layers)
     dc = drafter.config
     problems = []
     if dc.hidden_size != target.hidden_size:
@@ -459,6 +474,9 @@ def warm_start(source: Path, target: TargetModel, data_taps: Sequence[int]) -> t
         "source_train_seconds": previous.get("train_seconds"),
         "source_draft_vocab": int(drafter.draft_vocab_ids.numel()) if drafter.draft_vocab_ids is not None else None,
     }
+    if len(drafter.layers) > n_source:
+        report["grown_from_layers"] = n_source
+        report["added_layers"] = len(drafter.layers) - n_source
     # the draft vocabulary is chosen anew from this run's data, its own ids ranked first (choose_draft_vocab)
     # the source's own record and measured acceptance describe another run: not carried over
     dc.raw.pop("dflash_training", None)
@@ -466,6 +484,21 @@ def warm_start(source: Path, target: TargetModel, data_taps: Sequence[int]) -> t
     if isinstance(dc.raw.get("dflash_config"), dict):
         dc.raw["dflash_config"] = {k: v for k, v in dc.raw["dflash_config"].items() if k != "acceptance_conditional"}
     return drafter, report
+
+
+def grow_layers(drafter: Any, num_layers: int, seed: int = 0) -> Any:
+    """``drafter`` with identity layers appended up to ``num_layers`` (see ``warm_start``)."""
+    cfg = dict(drafter.config.raw)
+    cfg["num_hidden_layers"] = num_layers
+    if isinstance(cfg.get("layer_types"), list) and cfg["layer_types"]:
+        cfg["layer_types"] = [*cfg["layer_types"], *[cfg["layer_types"][-1]] * (num_layers - len(cfg["layer_types"]))]
+    grown = init_drafter(cfg, seed=seed)
+    state = {k: v for k, v in drafter.state_dict().items() if k != "draft_vocab_ids"}
+    missing, unexpected = grown.load_state_dict(state, strict=False)
+    n_source = len(drafter.layers)
+    assert not unexpected and all(k.startswith("layers.") and int(k.split(".")[1]) >= n_source for k in missing)
+    grown.draft_vocab_ids = drafter.draft_vocab_ids
+    return grown
 
 
 def choose_draft_vocab(
