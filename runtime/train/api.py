@@ -447,8 +447,6 @@ def warm_start(
         raise ConfigError(
             f"--layers {num_layers} is fewer than drafter {source}'s {n_source}; a fine-tune can only add layers"
         )
-    if num_layers is not None and num_layers > n_source:
-        drafter = grow_layers(drafter, num_layers)
     dc = drafter.config
     problems = []
     if dc.hidden_size != target.hidden_size:
@@ -467,6 +465,9 @@ def warm_start(
             f"drafter {source} taps layers {taps}; the dataset holds {list(data_taps)} (missing {missing}): "
             "build the data with --taps " + ",".join(str(t) for t in taps)
         )
+    if num_layers is not None and num_layers > n_source:  # only a drafter that fits is worth growing
+        drafter = grow_layers(drafter, num_layers)
+        dc = drafter.config
     previous = dict(dc.raw.get("dflash_training") or {})
     report = {
         "source": str(Path(*Path(source).resolve().parts[-2:])),

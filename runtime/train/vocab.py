@@ -45,13 +45,19 @@ def ranked_tokens(counts: Counter[int], prior: Sequence[int] = ()) -> list[int]:
     return sorted(set(counts) | first, key=lambda t: (t not in first, -counts.get(t, 0), t))
 
 
+def _first_n(ranked: Sequence[int], n: int, always: Sequence[int]) -> set[int]:
+    """The ``always`` ids plus the first ranked ids beyond them, ``n`` ids in all (fewer when the
+    ranking runs out)."""
+    fixed = {int(t) for t in always}
+    return {*[t for t in ranked if t not in fixed][: max(n - len(fixed), 0)], *fixed}
+
+
 def oov_share(ranked: Sequence[int], heldout: Counter[int], n: int, always: Sequence[int] = ()) -> float:
     """Share of held-out answer tokens outside the top-``n`` ranked ids (plus ``always``)."""
     total = sum(heldout.values())
     if total == 0:
         return 0.0
-    fixed = set(always)
-    keep = {*[t for t in ranked if t not in fixed][: max(n - len(fixed), 0)], *fixed}
+    keep = _first_n(ranked, n, always)
     return 1.0 - sum(c for t, c in heldout.items() if t in keep) / total
 
 
@@ -141,6 +147,4 @@ def vocab_ids(
 ) -> torch.Tensor:
     """The draft vocabulary: the first ``n`` ranked ids (``prior``, then the most frequent training
     answer tokens) plus ``always``, sorted."""
-    keep = {int(t) for t in always}
-    ranked = [t for t in ranked_tokens(train_counts, prior) if t not in keep][: max(n - len(keep), 0)]
-    return torch.tensor(sorted(set(ranked) | keep), dtype=torch.long)
+    return torch.tensor(sorted(_first_n(ranked_tokens(train_counts, prior), n, always)), dtype=torch.long)
