@@ -123,9 +123,11 @@ def test_engine_choice():
 
 @pytest.mark.skipif(not FusedLinear.can_pack(torch.device("cpu"), torch.bfloat16), reason="no oneDNN bf16 here")
 def test_packed_bf16_matches_unpacked():
-    """Packed oneDNN GEMMs compute what F.linear computes (bf16), for the target and the drafter."""
+    """Packed oneDNN GEMMs compute what F.linear computes (bf16), for the target and the drafter
+    (bf16 activations on both sides: CPUs without native bf16 would otherwise compute the lean side
+    in float32, see test_bf16_weights_with_float32_activations)."""
     model = make_target("qwen2", vocab_size=96, seed=6).to(torch.bfloat16)
-    hf, lean = TargetModel(model), LeanTarget(model)
+    hf, lean = TargetModel(model), LeanTarget(model, float_activations=False)
     assert lean.packed
     with torch.inference_mode():
         x = _ids(9, 96, seed=3)

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 SOURCE = Path(__file__).with_name("gemm.c")
+SOURCES = (SOURCE, Path(__file__).with_name("layers.c"))
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
 
 Int8Gemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
@@ -89,7 +90,8 @@ def _build(dest: Path) -> str | None:
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
         out = Path(tmp) / dest.name
-        r = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(out)], capture_output=True, text=True, timeout=120)
+        cmd = [cc, *FLAGS, *(str(src) for src in SOURCES), "-o", str(out)]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if r.returncode != 0:
             return f"{cc} failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}"
         out.replace(dest)  # atomic: concurrent processes never load a half-written file
@@ -97,7 +99,7 @@ def _build(dest: Path) -> str | None:
 
 
 def _source_key() -> str:
-    return hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    return hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES) + " ".join(FLAGS).encode()).hexdigest()[:16]
 
 
 def identity() -> str:
@@ -173,6 +175,59 @@ def bf16_gemm() -> Bf16Gemm | None:
     f32``, or None where it cannot run here (see ``why_not``)."""
     fn: Bf16Gemm | None = _kernel("bf16", "dflash_bf16_gemm", _wrap_bf16, "ATen's bf16 GEMM")
     return fn
+
+
+class Proj(ctypes.Structure):
+    """One projection of ``layers.c``: weights [n, k] (int8 + per-row scales, or bf16), bias or NULL."""
+
+    _fields_ = [
+        ("w", ctypes.c_void_p),
+        ("scale", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+        ("n", ctypes.c_int64),
+        ("k", ctypes.c_int64),
+        ("int8", ctypes.c_int64),
+    ]
+
+
+class Layer(ctypes.Structure):
+    """One decoder layer of ``layers.c`` (pointers into tensors the caller keeps alive)."""
+
+    _fields_ = [
+        ("qkv", Proj),
+        ("o", Proj),
+        ("gate_up", Proj),
+        ("down", Proj),
+        ("ln1", ctypes.c_void_p),
+        ("ln2", ctypes.c_void_p),
+        ("q_norm", ctypes.c_void_p),
+        ("k_norm", ctypes.c_void_p),
+        ("eps1", ctypes.c_float),
+        ("eps2", ctypes.c_float),
+        ("qk_eps", ctypes.c_float),
+        ("scaling", ctypes.c_float),
+    ]
+
+
+class Shape(ctypes.Structure):
+    """The model's shape for ``layers.c``."""
+
+    _fields_ = [(name, ctypes.c_int64) for name in ("d", "heads", "kv_heads", "head_dim", "ffn")]
+
+
+def layers_fn() -> Any:
+    """The compiled decoder-layer stack (``dflash_layers`` of ``layers.c``, argument types set), or
+    None where the library cannot run here (see ``why_not``)."""
+    if "layers" not in _loaded:
+        lib = _library()
+        fn = None
+        if lib is not None:
+            fn = lib.dflash_layers
+            p, i64 = ctypes.c_void_p, ctypes.c_int64
+            fn.restype = ctypes.c_int
+            fn.argtypes = [p, i64, p, p, p, i64, p, i64, i64, p, p, p, p, i64, p, ctypes.c_int]
+        _loaded["layers"] = fn
+    return _loaded["layers"]
 
 
 def why_not() -> str | None:

@@ -1,0 +1,155 @@
+"""The decoder layers as one native call (``runtime/engine/kernels/layers.c``): the same function as
+the lean forward's PyTorch layers over the same GEMM kernels (every architecture, bf16 and int8
+weights, tree masks, taps, a growing cache), every row of a verify block bit-identical to one-token
+steps, and greedy DFlash through it equal to plain greedy decoding of the same target."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from runtime.engine import kernels, linear
+from runtime.engine.lean_target import LeanTarget
+from tests.fakes import greedy_pair, lean_greedy_reference, make_drafter, make_target
+
+ARCHS = ["qwen3", "qwen2", "llama"]
+
+pytestmark = pytest.mark.skipif(
+    kernels.layers_fn() is None, reason=f"native kernels do not run here: {kernels.why_not()}"
+)
+
+
+def _target(arch: str, weights: str, seed: int, monkeypatch: pytest.MonkeyPatch) -> torch.nn.Module:
+    model = make_target(arch, vocab_size=96, seed=seed)
+    if weights == "int8":
+        pytest.importorskip("torchao")
+        from runtime.quantize.schemes import quantize_model_inplace
+
+        quantize_model_inplace(model, "int8", "cpu")
+        return model
+    monkeypatch.setattr(linear, "cpu_has_fast_bf16", lambda: False)  # bf16 on dflash's kernel, as on AVX2
+    return model.to(torch.bfloat16)
+
+
+def _ids(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 96, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.mark.parametrize("weights", ["bf16", "int8"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_native_layers_compute_the_lean_forward(arch, weights, monkeypatch):
+    model = _target(arch, weights, 4, monkeypatch)
+    eager, native = LeanTarget(model, native_layers=False), LeanTarget(model)
+    assert native.native_layers and not eager.native_layers
+    for t in (eager, native):
+        t.set_taps([0, 2, 3])
+    # int8 rounds activations per row to 15 bits: a last-bit difference upstream may move one step
+    tol = 1e-5 if weights == "bf16" else 1e-3
+    c1, c2 = eager.new_cache(capacity=8), native.new_cache(capacity=8)  # small: the cache grows
+    with torch.inference_mode():
+        for n in (7, 5, 1, 3, 1):
+            x = _ids(n, n)
+            l1, f1 = eager.forward(x, c1)
+            l2, f2 = native.forward(x, c2)
+            assert l2.shape == l1.shape and f2 is not None and f1 is not None and f2.shape == f1.shape
+            assert _rel(l2, l1) < tol and _rel(f2, f1) < tol
+            assert native.cache_len(c2) == eager.cache_len(c1)
+            eager.crop(c1, eager.cache_len(c1) - 1)
+            native.crop(c2, native.cache_len(c2) - 1)
+        # a tree: root r; children a, b; a's child c (ancestor mask, depth positions)
+        parents, depth = [-1, 0, 0, 1], torch.tensor([0, 1, 1, 2])
+        mask = torch.zeros(4, 4, dtype=torch.bool)
+        for i in range(4):
+            j = i
+            while j >= 0:
+                mask[i, j], j = True, parents[j]
+        tokens = torch.tensor([[11, 22, 33, 44]])
+        start = native.cache_len(c2)
+        l1, _ = eager.forward(tokens, c1, positions=depth + start, tree_mask=mask, capture=False)
+        l2, f2 = native.forward(tokens, c2, positions=depth + start, tree_mask=mask, capture=False)
+        assert f2 is None and _rel(l2, l1) < tol
+        native.keep(c2, start, [0, 1, 3])
+        eager.keep(c1, start, [0, 1, 3])
+        l1, _ = eager.forward(_ids(1, 9), c1, logits_to_keep=1)
+        l2, _ = native.forward(_ids(1, 9), c2, logits_to_keep=1)
+        assert l2.shape == (1, 96) and _rel(l2, l1) < tol
+
+
+@pytest.mark.parametrize("weights", ["bf16", "int8"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
+def test_a_verify_block_is_bit_identical_to_one_token_steps(arch, weights, monkeypatch):
+    """The exactness contract: each row of a block (a chain, and a tree path) computes exactly what
+    a one-token step at its position computes, so greedy DFlash cannot diverge from plain greedy."""
+    model = _target(arch, weights, 6, monkeypatch)
+    lean = LeanTarget(model)
+    assert lean.native_layers
+    lean.set_taps([1, 3])
+    prompt, block = _ids(9, 1), _ids(5, 2)
+    with torch.inference_mode():
+        c_block, c_steps = lean.new_cache(), lean.new_cache()
+        lean.forward(prompt, c_block)
+        lean.forward(prompt, c_steps)
+        lb, fb = lean.forward(block, c_block)
+        rows = [lean.forward(block[:, i : i + 1], c_steps) for i in range(block.shape[1])]
+        assert torch.equal(lb, torch.cat([r[0] for r in rows]))
+        assert fb is not None and torch.equal(fb, torch.cat([r[1] for r in rows], dim=1))
+        # the same tokens as the path 0 -> 1 -> 3 of a tree, beside a sibling branch
+        tree = torch.tensor([[int(block[0, 0]), int(block[0, 1]), 7, int(block[0, 2])]])
+        mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+        c_tree = lean.new_cache()
+        lean.forward(prompt, c_tree)
+        start = lean.cache_len(c_tree)
+        lt, _ = lean.forward(tree, c_tree, positions=torch.tensor([0, 1, 1, 2]) + start, tree_mask=mask)
+        assert torch.equal(lt[[0, 1, 3]], lb[:3])
+
+
+@pytest.mark.parametrize("weights", ["bf16", "int8"])
+def test_dflash_through_native_layers_equals_plain_greedy(weights, monkeypatch):
+    model = _target("qwen2", weights, 3, monkeypatch)
+    lean = LeanTarget(model)
+    assert lean.native_layers
+    drafter = make_drafter(model.config, block_size=6, taps=[0, 2, 3])
+    if weights == "bf16":
+        drafter = drafter.to(torch.bfloat16)
+        from runtime.engine.linear import activations_in, pack_linears
+
+        pack_linears(drafter)
+        activations_in(drafter, lean.dtype)
+    rng = random.Random(weights)
+    for _ in range(4):
+        p = [rng.randrange(96) for _ in range(rng.randint(1, 9))]
+        ref = lean_greedy_reference(lean, p, 16)
+        assert greedy_pair(lean, drafter, p, 16, block_size=6) == (ref, ref)
+
+
+def test_native_layers_are_refused_where_they_cannot_run():
+    model = make_target("qwen3", vocab_size=96, seed=1)  # float32 weights: oneDNN's packed GEMMs
+    assert not LeanTarget(model).native_layers
+    with pytest.raises(ValueError, match="native layers cannot run"):
+        LeanTarget(model, native_layers=True)
+
+
+def test_a_long_prefill_runs_pytorch_layers_then_steps_run_native(monkeypatch):
+    """Prompts longer than NATIVE_MAX_ROWS take PyTorch's layers (SDPA); the cache they write is the
+    one the native steps read."""
+    from runtime.engine import lean_target
+
+    model = _target("qwen2", "bf16", 5, monkeypatch)
+    eager, native = LeanTarget(model, native_layers=False), LeanTarget(model)
+    monkeypatch.setattr(lean_target, "NATIVE_MAX_ROWS", 4)
+    called = []
+    real = native._native_body
+    monkeypatch.setattr(native, "_native_body", lambda *a, **k: called.append(a[0].shape[1]) or real(*a, **k))
+    c1, c2 = eager.new_cache(), native.new_cache()
+    with torch.inference_mode():
+        for n in (9, 1, 3):
+            l1, _ = eager.forward(_ids(n, n), c1)
+            l2, _ = native.forward(_ids(n, n), c2)
+            assert _rel(l2, l1) < 1e-5
+    assert called == [1, 3]
