@@ -65,8 +65,8 @@ def test_every_row_is_computed_as_if_alone(k):
     """A verify block of T rows gives, row for row, bit-identical results to T one-row calls."""
     q, s, b = _weights(49, k, seed=k)  # an odd row count: the last weight row has no partner
     w16 = (torch.randn(49, k) / 10).to(torch.bfloat16)
-    x = torch.randn(33, k)
-    for t in (2, 3, 4, 7, 8, 9, 16, 17, 33):
+    x = torch.randn(150, k)
+    for t in (2, 3, 4, 7, 8, 9, 16, 17, 33, 65, 150):  # over 64 rows: a prompt, computed in passes
         block = gemm(x[:t], q, s, b)
         alone = torch.cat([gemm(x[i : i + 1], q, s, b) for i in range(t)])
         assert torch.equal(block, alone), t
