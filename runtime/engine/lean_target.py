@@ -32,6 +32,7 @@ activations) stay on ``TargetModel``: see ``lean_supported``.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from typing import Any
 
@@ -83,11 +84,23 @@ class StaticKVCache:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.length = 0
+        self._pointers: tuple[Any, Any] | None = None
 
     @property
     def capacity(self) -> int:
         """Entries the buffers hold before they grow."""
         return int(self.k[0].shape[2])
+
+    def pointers(self) -> tuple[Any, Any]:
+        """Addresses of every layer's K and V buffers (ctypes arrays, for ``kernels/layers.c``);
+        built once per set of buffers (``reserve`` replaces them)."""
+        if self._pointers is None:
+            n = len(self.k)
+            self._pointers = (
+                (ctypes.c_void_p * n)(*[t.data_ptr() for t in self.k]),
+                (ctypes.c_void_p * n)(*[t.data_ptr() for t in self.v]),
+            )
+        return self._pointers
 
     def get_seq_length(self) -> int:
         """Valid entries (the transformers ``Cache`` spelling, used by ``cache_len``)."""
@@ -103,6 +116,7 @@ class StaticKVCache:
                 grown = t.new_zeros((*t.shape[:2], new, t.shape[3]))
                 grown[:, :, : self.length] = t[:, :, : self.length]
                 buf[i] = grown
+        self._pointers = None
 
     def crop(self, keep: int) -> None:
         """Keep the first ``keep`` entries."""
@@ -259,6 +273,7 @@ class LeanTarget(TargetModel):
         def ptr(t: torch.Tensor | None) -> int | None:
             if t is None:
                 return None
+            # norms and biases are float32 (the activations'), weights int8 or bf16
             assert t.is_contiguous() and t.dtype in (torch.float32, torch.bfloat16, torch.int8)
             return int(t.data_ptr())
 
@@ -270,9 +285,6 @@ class LeanTarget(TargetModel):
 
         arr = (kernels.Layer * len(self.lean_layers))()
         for i, lay in enumerate(self.lean_layers):
-            lay.ln1, lay.ln2 = lay.ln1.float().contiguous(), lay.ln2.float().contiguous()
-            if lay.q_norm is not None and lay.k_norm is not None:
-                lay.q_norm, lay.k_norm = lay.q_norm.float().contiguous(), lay.k_norm.float().contiguous()
             arr[i] = kernels.Layer(
                 proj(lay.qkv),
                 proj(lay.o),
@@ -455,22 +467,12 @@ class LeanTarget(TargetModel):
         taps: tuple[int, ...],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``_body`` with the decoder layers in one native call (``kernels/layers.c``)."""
-        import ctypes
-
         arr, shape, fn = self._native
         t = int(input_ids.shape[1])
         h = self.embed(input_ids)[0].to(torch.float32, copy=True).contiguous()  # [T, D], written in place
         cos, sin = cos.float().contiguous(), sin.float().contiguous()
         m = mask.to(torch.uint8).contiguous() if mask is not None else None  # None: causal over the slots
-        ptrs = getattr(cache, "_native_ptrs", None)
-        if ptrs is None or ptrs[0] != (cache.capacity, cache.k[0].data_ptr()):
-            n = len(cache.k)
-            ptrs = (
-                (cache.capacity, cache.k[0].data_ptr()),
-                (ctypes.c_void_p * n)(*[x.data_ptr() for x in cache.k]),
-                (ctypes.c_void_p * n)(*[x.data_ptr() for x in cache.v]),
-            )
-            cache._native_ptrs = ptrs  # type: ignore[attr-defined]
+        ptr_k, ptr_v = cache.pointers()
         tap_ids = (ctypes.c_int64 * max(len(taps), 1))(*taps)
         d = int(shape.d)
         tapbuf = torch.empty((t, len(taps) * d), dtype=torch.float32) if taps else None
@@ -478,8 +480,8 @@ class LeanTarget(TargetModel):
             arr,
             len(self.lean_layers),
             ctypes.byref(shape),
-            ptrs[1],
-            ptrs[2],
+            ptr_k,
+            ptr_v,
             cache.capacity,
             h.data_ptr(),
             t,

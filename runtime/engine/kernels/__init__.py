@@ -218,16 +218,14 @@ class Shape(ctypes.Structure):
 def layers_fn() -> Any:
     """The compiled decoder-layer stack (``dflash_layers`` of ``layers.c``, argument types set), or
     None where the library cannot run here (see ``why_not``)."""
-    if "layers" not in _loaded:
-        lib = _library()
-        fn = None
-        if lib is not None:
-            fn = lib.dflash_layers
-            p, i64 = ctypes.c_void_p, ctypes.c_int64
-            fn.restype = ctypes.c_int
-            fn.argtypes = [p, i64, p, p, p, i64, p, i64, i64, p, p, p, p, i64, p, ctypes.c_int]
-        _loaded["layers"] = fn
-    return _loaded["layers"]
+    return _kernel("layers", "dflash_layers", _wrap_layers, "PyTorch's layers")
+
+
+def _wrap_layers(c_fn: ctypes._NamedFuncPointer) -> Any:
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    c_fn.restype = ctypes.c_int
+    c_fn.argtypes = [p, i64, p, p, p, i64, p, i64, i64, p, p, p, p, i64, p, ctypes.c_int]
+    return c_fn
 
 
 def why_not() -> str | None:
