@@ -54,8 +54,24 @@ def train(
     data: Annotated[
         Path | None, typer.Option("--data", help="Dataset folder (default: OUT/data); reused if present.")
     ] = None,
+    extra_data: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--extra-data",
+            help="Another dataset folder to train on as well (repeatable; same taps; its last shard is "
+            "held out with --data's).",
+        ),
+    ] = None,
     prompts: Annotated[
         int | None, typer.Option("--prompts", help="Prompts to answer for the dataset (default: all).")
+    ] = None,
+    prompts_from: Annotated[
+        Path | None,
+        typer.Option(
+            "--prompts-from",
+            help="Build a new dataset's prompts on the code of this earlier dataset's answers (edits, "
+            "tests, ports, explanations and follow-ups in every language; generator 'answers').",
+        ),
     ] = None,
     answer_tokens: Annotated[int, typer.Option("--answer-tokens", help="Max tokens per generated answer.")] = 320,
     gen_batch: Annotated[int, typer.Option("--gen-batch", help="Answers generated together.")] = 32,
@@ -162,6 +178,9 @@ def train(
     if not data_only and not resume and steps is None and budget is None:
         raise typer.BadParameter("give --steps or --time-budget (or --data-only)")
     tap_ids = tuple(parse_ids(taps)) if taps else None
+    for flag, folder in [*(("--extra-data", f) for f in extra_data or []), ("--prompts-from", prompts_from)]:
+        if folder is not None and not (folder / "dataset.json").is_file():
+            raise typer.BadParameter(f"{flag} {str(folder)!r} is not a dataset folder (no dataset.json)")
     source = _source_drafter(from_drafter) if from_drafter else None
     if source is not None and not resume:
         src_taps = tuple(json.loads((source / "config.json").read_text())["dflash_config"]["target_layer_ids"])
@@ -215,7 +234,15 @@ def train(
         pipe.tokenizer,
         data_dir,
         data_taps,
-        DataSpec(num_prompts=prompts, max_new_tokens=answer_tokens, batch_size=gen_batch, seed=data_seed, topk=topk),
+        DataSpec(
+            num_prompts=prompts,
+            max_new_tokens=answer_tokens,
+            batch_size=gen_batch,
+            seed=data_seed,
+            topk=topk,
+            generator="answers" if prompts_from else "v2",
+            source=prompts_from,
+        ),
         pipe.stop_token_ids,
         progress=lambda p: say(
             f"  shard {p['shard'] + 1}/{p['shards']}: {p['tokens']} tokens this run, {p['seconds']:.0f}s"
@@ -252,6 +279,7 @@ def train(
         device=pipe.device,
         progress=_train_progress(say, None if resume else out),
         eval_sets=eval_sets,
+        extra_data=extra_data or [],
     )
     evaluation = None
     if not no_eval and eval_prompts > 0:
@@ -700,10 +728,12 @@ def model_card(
         "The target's own greedy answers (chat template, thinking off) to coding prompts built offline",
         "(`runtime/train/generator.py`: code edits, explanations, multi-turn follow-ups, raw completion of real",
         "source files, stdlib docstring requests and everyday tasks in every language of the task list, with every",
-        "evaluation prompt removed); the hidden states of the tapped layers were captured while the answers were",
+        "evaluation prompt removed; generator `answers`, `runtime/train/answers.py`: edits, tests, ports,",
+        "explanations and follow-ups on the code of an earlier dataset's answers, in every language); the hidden states of the tapped layers were captured while the answers were",
         "generated. Labels are exactly the target's greedy choices"
         + ("; the soft term distils its top-k distribution." if soft else "."),
         *_dataset_lines(data_dir),
+        *(line for extra in training.get("extra_datasets") or [] for line in _dataset_lines(extra)),
         "",
         "## Training",
         f"- steps: {s.step} over {s.segments} schedule segment(s), {s.elapsed / 3600:.2f} h of training",

@@ -98,7 +98,9 @@ class DataSpec:
         seed: prompt shuffle seed.
         taps: layers to store (None: the drafter's taps).
         topk: keep the target's top-k log-probabilities per answer position (soft labels; 0: none).
-        generator: prompt generator ("v2": the broad mix of ``runtime.train.generator``).
+        generator: prompt generator ("v2": the broad mix of ``runtime.train.generator``;
+            "answers": requests on the code of an earlier dataset's answers, ``runtime.train.answers``).
+        source: the earlier dataset folder of the "answers" generator.
     """
 
     num_prompts: int | None = None
@@ -108,6 +110,7 @@ class DataSpec:
     taps: tuple[int, ...] | None = None
     topk: int = 8
     generator: str = "v2"
+    source: Path | None = None
 
 
 def frozen_weights(target: TargetModel) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -149,8 +152,9 @@ def prepare_data(
             taps=spec.taps,
             topk=int(meta.get("topk", 0)),  # a dataset keeps its labels' kind (datasets before v2 have none)
             generator=meta.get("spec", {}).get("generator", "v1"),
+            source=Path(meta["spec"]["source"]) if meta.get("spec", {}).get("source") else None,
         )
-    prompts = stored_prompts(data_dir, spec)
+    prompts = stored_prompts(data_dir, spec, tokenizer)
     generate_dataset(
         target,
         tokenizer,
@@ -167,6 +171,7 @@ def prepare_data(
                 "batch_size": spec.batch_size,
                 "seed": spec.seed,
                 "generator": spec.generator,
+                **({"source": str(spec.source)} if spec.source is not None else {}),
             }
         },
         topk=spec.topk,
@@ -177,7 +182,7 @@ def prepare_data(
 PROMPTS_FILE = "prompts.jsonl"
 
 
-def stored_prompts(data_dir: Path, spec: DataSpec) -> list[TrainPrompt]:
+def stored_prompts(data_dir: Path, spec: DataSpec, tokenizer: Any = None) -> list[TrainPrompt]:
     """The dataset's prompt list, fixed in ``data_dir/prompts.jsonl`` the first time.
 
     Shard i answers prompts i*B..(i+1)*B-1, so a dataset must extend with the very prompts it
@@ -195,9 +200,11 @@ def stored_prompts(data_dir: Path, spec: DataSpec) -> list[TrainPrompt]:
     want = spec.num_prompts
     if stored and want is not None and len(stored) >= want:
         return stored[:want]
-    fresh = build_prompts(
-        seed=spec.seed, max_prompts=None if want is None else want + len(stored), generator=spec.generator
-    )
+    cap = None if want is None else want + len(stored)
+    if spec.generator == "answers":
+        fresh = answer_prompts(spec, tokenizer, cap)
+    else:
+        fresh = build_prompts(seed=spec.seed, max_prompts=cap, generator=spec.generator)
     have = {_prompt_key(p) for p in stored}
     new = [p for p in fresh if _prompt_key(p) not in have]
     if want is not None:
@@ -212,6 +219,25 @@ def stored_prompts(data_dir: Path, spec: DataSpec) -> list[TrainPrompt]:
                 row["messages"] = list(p.messages)
             f.write(json.dumps(row) + "\n")
     tmp.replace(path)
+    return prompts
+
+
+def answer_prompts(spec: DataSpec, tokenizer: Any, max_prompts: int | None) -> list[TrainPrompt]:
+    """The "answers" generator's prompts for ``spec`` (built on ``spec.source``'s answers).
+
+    Raises:
+        ConfigError: no source dataset, or one without answers to build on.
+    """
+    from runtime.train.answers import build_prompts_from_answers, read_answers
+
+    src = spec.source
+    if src is None or not (src / "dataset.json").exists() or not (src / PROMPTS_FILE).exists():
+        raise ConfigError(f"the answers generator needs an earlier dataset folder, got {src}")
+    if tokenizer is None:
+        raise ConfigError("the answers generator needs the target's tokenizer to read the answers")
+    prompts = build_prompts_from_answers(read_answers(src, tokenizer), seed=spec.seed, max_prompts=max_prompts)
+    if not prompts:
+        raise ConfigError(f"{src} holds no chat answers with code blocks to build prompts on")
     return prompts
 
 
@@ -301,16 +327,31 @@ def open_eval_set(data_dir: Path, use_taps: Sequence[int], hidden: int) -> Shard
 
 
 def open_datasets(
-    data_dir: Path, use_taps: Sequence[int], hidden: int, val_shards: int = 1
+    data_dir: Path, use_taps: Sequence[int], hidden: int, val_shards: int = 1, extra: Sequence[Path] = ()
 ) -> tuple[ShardDataset, ShardDataset]:
-    """Training and validation sequences (the last ``val_shards`` shards are held out)."""
+    """Training and validation sequences: the last ``val_shards`` shards of ``data_dir`` and of each
+    ``extra`` dataset folder are held out, the others are trained on.
+
+    Raises:
+        ConfigError: a dataset has fewer than 2 shards, or an extra one stores other taps.
+    """
     meta = dataset_meta(data_dir)
-    shards = list(iter_shards(data_dir))
-    if len(shards) < 2:
-        raise ConfigError(f"{data_dir} has {len(shards)} shard(s); training needs at least 2 (one is held out)")
-    val_n = min(val_shards, len(shards) - 1)
-    train = ShardDataset(shards[:-val_n], meta["taps"], use_taps, hidden)
-    val = ShardDataset(shards[-val_n:], meta["taps"], use_taps, hidden)
+    train_shards, val_shards_all = [], []
+    for folder in [data_dir, *extra]:
+        fmeta = dataset_meta(folder)
+        if fmeta["taps"] != meta["taps"] or fmeta.get("hidden_size") != meta.get("hidden_size"):
+            raise ConfigError(
+                f"{folder} stores layers {fmeta['taps']}, {data_dir} stores {meta['taps']}: datasets trained "
+                "on together need the same taps"
+            )
+        shards = list(iter_shards(folder))
+        if len(shards) < 2:
+            raise ConfigError(f"{folder} has {len(shards)} shard(s); training needs at least 2 (one is held out)")
+        val_n = min(val_shards, len(shards) - 1)
+        train_shards += shards[:-val_n]
+        val_shards_all += shards[-val_n:]
+    train = ShardDataset(train_shards, meta["taps"], use_taps, hidden)
+    val = ShardDataset(val_shards_all, meta["taps"], use_taps, hidden)
     return train, val
 
 
@@ -326,6 +367,7 @@ def fit(
     device: str | torch.device = "cpu",
     progress: Progress | None = None,
     eval_sets: dict[str, Path] | None = None,
+    extra_data: Sequence[Path] = (),
 ) -> Trainer:
     """Train a drafter on ``data_dir``; checkpoints go to ``out_dir/checkpoint``.
 
@@ -335,6 +377,7 @@ def fit(
         extend: with ``resume``, start a new warm-up + cosine segment (continue a finished run).
         eval_sets: more held-out dataset folders (e.g. {"ood": OUT/eval-data/ood}), evaluated with
             the validation shard at every ``eval_every`` steps into ``out_dir/eval.jsonl``.
+        extra_data: more dataset folders trained on with ``data_dir`` (``open_datasets``).
 
     Raises:
         ConfigError: a checkpoint exists and neither ``resume`` nor a fresh ``out_dir`` was asked for.
@@ -377,7 +420,7 @@ def fit(
         if spec.init == "target":
             init_report = init_from_target(drafter, target.model)
     taps = list(drafter.dflash.target_layer_ids)
-    train, val = open_datasets(data_dir, taps, hidden)
+    train, val = open_datasets(data_dir, taps, hidden, extra=extra_data)
     out_dir.mkdir(parents=True, exist_ok=True)
     coverage = None
     if not resume:
@@ -414,6 +457,8 @@ def fit(
 
     def extra() -> dict[str, Any]:
         rec = _training_record(trainer, data_dir)
+        if extra_data:
+            rec["extra_datasets"] = [str(p) for p in extra_data]
         rec["init"], rec["draft_vocab"] = init_note, vocab_note
         return {"dflash_training": rec}
 
@@ -599,6 +644,8 @@ def export(out_dir: Path, evaluation: dict[str, Any] | None, card: str) -> Path:
     training = dict(raw.get("dflash_training") or {})
     if "dataset" in training:
         training["dataset"] = _portable(training["dataset"], out_dir)  # no machine-specific path shipped
+    if "extra_datasets" in training:
+        training["extra_datasets"] = [_portable(p, out_dir) for p in training["extra_datasets"]]
     if evaluation:
         training["evaluation"] = evaluation
     extra["dflash_training"] = training

@@ -233,7 +233,12 @@ def generate_dataset(
     target.set_taps(taps)
     encoded = [(encode_prompt(tokenizer, p.text, p.chat, getattr(p, "messages", None)), p) for p in prompts]
     encoded = [(ids, p) for ids, p in encoded if 0 < len(ids) <= max_prompt_tokens]
-    meta: dict[str, Any] = {"taps": list(taps), "hidden_size": target.hidden_size, "max_new_tokens": max_new_tokens}
+    meta: dict[str, Any] = {
+        "taps": list(taps),
+        "hidden_size": target.hidden_size,
+        "max_new_tokens": max_new_tokens,
+        "max_prompt_tokens": max_prompt_tokens,
+    }
     if topk:
         meta["topk"] = int(topk)
     (out_dir / "dataset.json").write_text(

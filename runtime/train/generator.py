@@ -410,21 +410,27 @@ def _build(
 ) -> dict[str, list[TrainPrompt]]:
     rng = random.Random(seed)
     pools = _kind_pools(rng, stdlib_root, source_roots, max_files)
-    if dedupe:
-        from runtime.train.dedupe import evaluation_index, prompt_text
+    return drop_evaluation_duplicates(pools) if dedupe else pools
 
-        index = evaluation_index()
-        seen: set[str] = set()
-        for k, pool in pools.items():
-            kept = []
-            for p in pool:
-                key = prompt_text(p)
-                if key in seen or index.matches(key):
-                    continue
-                seen.add(key)
-                kept.append(p)
-            pools[k] = kept
-    return pools
+
+def drop_evaluation_duplicates(pools: dict[str, list[TrainPrompt]]) -> dict[str, list[TrainPrompt]]:
+    """``pools`` without prompts that duplicate an evaluation prompt (``runtime.train.dedupe``) or
+    an earlier prompt of any pool."""
+    from runtime.train.dedupe import evaluation_index, prompt_text
+
+    index = evaluation_index()
+    seen: set[str] = set()
+    out = {}
+    for k, pool in pools.items():
+        kept = []
+        for p in pool:
+            key = prompt_text(p)
+            if key in seen or index.matches(key):
+                continue
+            seen.add(key)
+            kept.append(p)
+        out[k] = kept
+    return out
 
 
 def mix_counts(prompts: Iterable[TrainPrompt]) -> dict[str, int]:
