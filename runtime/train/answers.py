@@ -169,38 +169,26 @@ def read_answers(data_dir: Path, tokenizer: Any, skip_last: bool = True) -> list
     prompts that fitted the prompt-token limit, in order; the shards' recorded sources check the
     alignment (a shard that does not line up is skipped). Raw-completion prompts are left out.
     """
+    from runtime.train.api import read_prompts
     from runtime.train.data import encode_prompt, load_shard
 
-    rows = [json.loads(line) for line in (data_dir / "prompts.jsonl").read_text(encoding="utf-8").splitlines() if line]
-    meta = json.loads((data_dir / "dataset.json").read_text())
-    limit = int(meta.get("max_prompt_tokens", 512))
-    kept = []
-    for r in rows:
-        msgs = tuple(r["messages"]) if r.get("messages") else None
-        n = len(encode_prompt(tokenizer, r["text"], bool(r["chat"]), msgs))
-        if 0 < n <= limit:
-            kept.append(r)
-    shards = sorted(data_dir.glob("shard-*.safetensors"))
-    if skip_last and len(shards) > 1:
-        shards = shards[:-1]  # the held-out shard stays unseen
+    limit = int(json.loads((data_dir / "dataset.json").read_text()).get("max_prompt_tokens", 512))
+    kept = [p for p in read_prompts(data_dir) if 0 < len(encode_prompt(tokenizer, p.text, p.chat, p.messages)) <= limit]
+    paths = sorted(data_dir.glob("shard-*.safetensors"))
+    held_out = paths[-1] if skip_last and len(paths) > 1 else None  # the held-out shard stays unseen
     out: list[Answer] = []
     pos = 0
-    for path in sorted(data_dir.glob("shard-*.safetensors")):
+    for path in paths:
         shard = load_shard(path)
-        n = shard.num_sequences
-        batch, pos = kept[pos : pos + n], pos + n
-        if path not in shards:
+        batch, pos = kept[pos : pos + shard.num_sequences], pos + shard.num_sequences
+        if path == held_out or [p.source for p in batch] != list(shard.sources):
             continue
-        if [r["source"] for r in batch] != list(shard.sources)[: len(batch)] or len(batch) != n:
-            continue
-        for j, r in enumerate(batch):
-            if not r["chat"] and not r.get("messages"):
+        for j, p in enumerate(batch):
+            if not p.chat and not p.messages:
                 continue
             a, b = int(shard.offsets[j]), int(shard.offsets[j + 1])
-            ids = shard.tokens[a + int(shard.prompt_len[j]) : b].tolist()
-            reply = tokenizer.decode(ids, skip_special_tokens=True)
-            msgs = tuple(r["messages"]) if r.get("messages") else ({"role": "user", "content": r["text"]},)
-            out.append(Answer(msgs, reply, r["source"]))
+            reply = tokenizer.decode(shard.tokens[a + int(shard.prompt_len[j]) : b].tolist(), skip_special_tokens=True)
+            out.append(Answer(p.messages or ({"role": "user", "content": p.text},), reply, p.source))
     return out
 
 
@@ -222,7 +210,6 @@ def _block(b: CodeBlock, code: str | None = None) -> str:
 
 def _kind_pools(answers: Sequence[Answer], rng: random.Random, python_share: float) -> dict[str, list[TrainPrompt]]:
     pools: dict[str, list[TrainPrompt]] = {k: [] for k in MIX}
-    langs = list(LANGUAGES)
     order = list(answers)
     rng.shuffle(order)
     for ans in order:
@@ -231,7 +218,7 @@ def _kind_pools(answers: Sequence[Answer], rng: random.Random, python_share: flo
             continue
         b = rng.choice(blocks)
         detail = f"{b.lang}:{ans.source.split(':', 1)[0]}"
-        other = rng.choice([x for x in langs if x != b.lang])
+        other = rng.choice([x for x in LANGUAGES if x != b.lang])
 
         def add(kind: str, text: str, detail: str = detail) -> None:
             pools[kind].append(TrainPrompt(text, True, f"{kind}:{detail}"))

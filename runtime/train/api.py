@@ -182,6 +182,17 @@ def prepare_data(
 PROMPTS_FILE = "prompts.jsonl"
 
 
+def read_prompts(data_dir: Path) -> list[TrainPrompt]:
+    """A dataset's prompt list (``data_dir/prompts.jsonl``), in order."""
+    out = []
+    for line in (data_dir / PROMPTS_FILE).read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            r = json.loads(line)
+            msgs = tuple(r["messages"]) if r.get("messages") else None
+            out.append(TrainPrompt(r["text"], bool(r["chat"]), r["source"], msgs))
+    return out
+
+
 def stored_prompts(data_dir: Path, spec: DataSpec, tokenizer: Any = None) -> list[TrainPrompt]:
     """The dataset's prompt list, fixed in ``data_dir/prompts.jsonl`` the first time.
 
@@ -190,13 +201,7 @@ def stored_prompts(data_dir: Path, spec: DataSpec, tokenizer: Any = None) -> lis
     first, and a larger ``num_prompts`` appends new ones from the generator.
     """
     path = data_dir / PROMPTS_FILE
-    stored: list[TrainPrompt] = []
-    if path.exists():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                r = json.loads(line)
-                msgs = tuple(r["messages"]) if r.get("messages") else None
-                stored.append(TrainPrompt(r["text"], bool(r["chat"]), r["source"], msgs))
+    stored = read_prompts(data_dir) if path.exists() else []
     want = spec.num_prompts
     if stored and want is not None and len(stored) >= want:
         return stored[:want]
