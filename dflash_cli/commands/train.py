@@ -73,6 +73,16 @@ def train(
             "tests, ports, explanations and follow-ups in every language; generator 'answers').",
         ),
     ] = None,
+    text_from: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--text-from",
+            help="Build a teacher-forced text dataset instead: chunks of the source files under this folder "
+            "('auto': the standard library, site-packages and the system's JS/C/shell/SQL sources; repeatable), "
+            "scored by the target in one forward pass each, no generation (generator 'text'; "
+            "--answer-tokens caps a chunk, --gen-batch sets chunks per shard).",
+        ),
+    ] = None,
     answer_tokens: Annotated[int, typer.Option("--answer-tokens", help="Max tokens per generated answer.")] = 320,
     gen_batch: Annotated[int, typer.Option("--gen-batch", help="Answers generated together.")] = 32,
     data_seed: Annotated[
@@ -178,6 +188,17 @@ def train(
     if not data_only and not resume and steps is None and budget is None:
         raise typer.BadParameter("give --steps or --time-budget (or --data-only)")
     tap_ids = tuple(parse_ids(taps)) if taps else None
+    if text_from and prompts_from:
+        raise typer.BadParameter("--text-from and --prompts-from cannot be combined")
+    roots: tuple[Path, ...] = ()
+    if text_from:
+        from runtime.train.text import default_roots
+
+        picked = [r for t in text_from for r in (default_roots() if t == "auto" else [Path(t)])]
+        for r in picked:
+            if not r.is_dir():
+                raise typer.BadParameter(f"--text-from {str(r)!r} is not a folder")
+        roots = tuple(dict.fromkeys(picked))
     for flag, folder in [*(("--extra-data", f) for f in extra_data or []), ("--prompts-from", prompts_from)]:
         if folder is not None and not (folder / "dataset.json").is_file():
             raise typer.BadParameter(f"{flag} {str(folder)!r} is not a dataset folder (no dataset.json)")
@@ -240,8 +261,9 @@ def train(
             batch_size=gen_batch,
             seed=data_seed,
             topk=topk,
-            generator="answers" if prompts_from else "v2",
+            generator="answers" if prompts_from else "text" if roots else "v2",
             source=prompts_from,
+            text_roots=roots,
         ),
         pipe.stop_token_ids,
         progress=lambda p: say(
@@ -424,12 +446,20 @@ DATA_REPORT = "data-report.json"
 
 def _mix_lines(report: dict[str, Any]) -> list[str]:
     """Dataset size and mix, one line per prompt kind."""
-    lines = [
-        f"dataset: {report['sequences']} answered prompts in {report['shards']} shards, "
-        f"{report['answer_tokens']} answer tokens (+ {report['prompt_tokens']} prompt tokens), generator "
-        f"{report.get('generator', 'v1')}, soft labels: "
-        + (f"top-{report['topk']} log-probabilities" if report.get("topk") else "none (hard labels only)")
-    ]
+    if report.get("labels") == "teacher-forced":
+        lines = [
+            f"dataset: {report['sequences']} text chunks in {report['shards']} shards, {report['answer_tokens']} "
+            f"scored tokens (+ {report['prompt_tokens']} context tokens), generator text; labels: the target's "
+            f"argmax on the real text (top-{report['topk']} log-probabilities), the text agrees with it at "
+            f"{report.get('target_agreement', 0):.1%} of the tokens"
+        ]
+    else:
+        lines = [
+            f"dataset: {report['sequences']} answered prompts in {report['shards']} shards, "
+            f"{report['answer_tokens']} answer tokens (+ {report['prompt_tokens']} prompt tokens), generator "
+            f"{report.get('generator', 'v1')}, soft labels: "
+            + (f"top-{report['topk']} log-probabilities" if report.get("topk") else "none (hard labels only)")
+        ]
     total = max(report["sequences"], 1)
     for kind, row in report.get("mix", {}).items():
         lines.append(
@@ -463,12 +493,22 @@ def _dataset_lines(data_dir: Path | str | None) -> list[str]:
     if not data_dir or not Path(data_dir).is_dir():
         return []
     s = data_report(Path(data_dir))
-    lines = [
-        "",
-        f"Dataset: {s['sequences']} answered prompts in {s['shards']} shards, {s['answer_tokens']} answer tokens "
-        f"(+ {s['prompt_tokens']} prompt tokens); anchors are drawn from the answers. Prompt generator "
-        f"{s['generator']}; soft labels: " + (f"top-{s['topk']} log-probabilities." if s["topk"] else "none."),
-    ]
+    if s.get("labels") == "teacher-forced":
+        lines = [
+            "",
+            f"Dataset: {s['sequences']} chunks of real source files in {s['shards']} shards, {s['answer_tokens']} "
+            f"scored tokens (+ {s['prompt_tokens']} context tokens), no generation (generator text, "
+            "`runtime/train/text.py`): labels are the target's argmax on the text, slot k only while the text "
+            f"follows the target (it does at {s.get('target_agreement', 0):.1%} of the tokens); trained on whole, "
+            "never part of the held-out sets.",
+        ]
+    else:
+        lines = [
+            "",
+            f"Dataset: {s['sequences']} answered prompts in {s['shards']} shards, {s['answer_tokens']} answer tokens "
+            f"(+ {s['prompt_tokens']} prompt tokens); anchors are drawn from the answers. Prompt generator "
+            f"{s['generator']}; soft labels: " + (f"top-{s['topk']} log-probabilities." if s["topk"] else "none."),
+        ]
     if s.get("mix"):
         lines += ["", "| kind | prompts | answer tokens |", "|---|---|---|"]
         lines += [f"| {k} | {r['sequences']} | {r['answer_tokens']} |" for k, r in s["mix"].items()]

@@ -99,8 +99,10 @@ class DataSpec:
         taps: layers to store (None: the drafter's taps).
         topk: keep the target's top-k log-probabilities per answer position (soft labels; 0: none).
         generator: prompt generator ("v2": the broad mix of ``runtime.train.generator``;
-            "answers": requests on the code of an earlier dataset's answers, ``runtime.train.answers``).
+            "answers": requests on the code of an earlier dataset's answers, ``runtime.train.answers``;
+            "text": real source files scored by the target, no generation, ``runtime.train.text``).
         source: the earlier dataset folder of the "answers" generator.
+        text_roots: source folders of the "text" generator (empty: ``text.default_roots()``).
     """
 
     num_prompts: int | None = None
@@ -111,6 +113,7 @@ class DataSpec:
     topk: int = 8
     generator: str = "v2"
     source: Path | None = None
+    text_roots: tuple[Path, ...] = ()
 
 
 def frozen_weights(target: TargetModel) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -153,8 +156,33 @@ def prepare_data(
             topk=int(meta.get("topk", 0)),  # a dataset keeps its labels' kind (datasets before v2 have none)
             generator=meta.get("spec", {}).get("generator", "v1"),
             source=Path(meta["spec"]["source"]) if meta.get("spec", {}).get("source") else None,
+            text_roots=tuple(Path(p) for p in meta.get("spec", {}).get("text_roots", ())),
         )
     prompts = stored_prompts(data_dir, spec, tokenizer)
+    spec_meta = {
+        "num_prompts": spec.num_prompts,
+        "batch_size": spec.batch_size,
+        "seed": spec.seed,
+        "generator": spec.generator,
+        **({"source": str(spec.source)} if spec.source is not None else {}),
+        **({"text_roots": [str(p) for p in spec.text_roots]} if spec.text_roots else {}),
+    }
+    if spec.generator == "text":
+        from runtime.train.text import build_text_dataset
+
+        build_text_dataset(
+            target,
+            tokenizer,
+            prompts,
+            data_dir,
+            taps,
+            batch_size=spec.batch_size,
+            max_tokens=spec.max_new_tokens,
+            topk=spec.topk or 8,
+            progress=progress,
+            extra_meta={"spec": spec_meta},
+        )
+        return data_dir
     generate_dataset(
         target,
         tokenizer,
@@ -165,15 +193,7 @@ def prepare_data(
         max_new_tokens=spec.max_new_tokens,
         stop_ids=stop_ids,
         progress=progress,
-        extra_meta={
-            "spec": {
-                "num_prompts": spec.num_prompts,
-                "batch_size": spec.batch_size,
-                "seed": spec.seed,
-                "generator": spec.generator,
-                **({"source": str(spec.source)} if spec.source is not None else {}),
-            }
-        },
+        extra_meta={"spec": spec_meta},
         topk=spec.topk,
     )
     return data_dir
@@ -208,6 +228,12 @@ def stored_prompts(data_dir: Path, spec: DataSpec, tokenizer: Any = None) -> lis
     cap = None if want is None else want + len(stored)
     if spec.generator == "answers":
         fresh = answer_prompts(spec, tokenizer, cap)
+    elif spec.generator == "text":
+        from runtime.train.text import build_text_prompts, default_roots
+
+        fresh = build_text_prompts(list(spec.text_roots) or default_roots(), seed=spec.seed, max_prompts=cap)
+        if not fresh and not stored:
+            raise ConfigError("no source files to build a text dataset from (give --text-from DIR)")
     else:
         fresh = build_prompts(seed=spec.seed, max_prompts=cap, generator=spec.generator)
     have = {_prompt_key(p) for p in stored}
@@ -287,6 +313,7 @@ def data_report(data_dir: Path) -> dict[str, Any]:
     report = dataset_summary(data_dir)
     report["generator"] = meta.get("spec", {}).get("generator", "v1")
     report["max_new_tokens"] = meta.get("max_new_tokens")
+    report["labels"] = meta.get("labels", "generated")
     return report
 
 
@@ -350,6 +377,11 @@ def open_datasets(
                 "on together need the same taps"
             )
         shards = list(iter_shards(folder))
+        if fmeta.get("labels") == "teacher-forced" and folder != data_dir and shards:
+            # text scored by the target: trained on whole; the held-out sets stay generated answers,
+            # so the in-distribution numbers keep their meaning
+            train_shards += shards
+            continue
         if len(shards) < 2:
             raise ConfigError(f"{folder} has {len(shards)} shard(s); training needs at least 2 (one is held out)")
         val_n = min(val_shards, len(shards) - 1)

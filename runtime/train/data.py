@@ -48,11 +48,22 @@ class Shard:
     topk_ids: torch.Tensor | None = None  # [A, k] int32
     topk_logp: torch.Tensor | None = None  # [A, k] float16
     sources: tuple[str, ...] = ()
+    teacher_forced: bool = False  # real text scored by the target: labels are topk_ids[:, 0]
 
     @property
     def num_sequences(self) -> int:
         """Sequences in the shard."""
         return int(self.prompt_len.numel())
+
+    def answer_labels(self, j: int) -> torch.Tensor:
+        """The target's choice for each answer token of sequence ``j`` [A]: the tokens themselves for
+        generated answers, the stored argmax for teacher-forced text."""
+        a, b = int(self.offsets[j]), int(self.offsets[j + 1])
+        plen = int(self.prompt_len[j])
+        if self.teacher_forced and self.topk_ids is not None:
+            r0 = self.answer_start(j)
+            return self.topk_ids[r0 : r0 + (b - a - plen), 0].long()
+        return self.tokens[a + plen : b]
 
     def answer_start(self, j: int) -> int:
         """Row of sequence ``j``'s first answer token in ``topk_ids`` / ``topk_logp``."""
@@ -277,7 +288,8 @@ def load_shard(path: Path) -> Shard:
 
     handle = safe_open(str(path), framework="pt")
     keys = set(handle.keys())
-    sources = json.loads((handle.metadata() or {}).get("sources", "[]"))
+    meta = handle.metadata() or {}
+    sources = json.loads(meta.get("sources", "[]"))
     return Shard(
         path=path,
         tokens=handle.get_tensor("tokens").long(),
@@ -287,15 +299,19 @@ def load_shard(path: Path) -> Shard:
         topk_ids=handle.get_tensor("topk_ids") if "topk_ids" in keys else None,
         topk_logp=handle.get_tensor("topk_logp") if "topk_logp" in keys else None,
         sources=tuple(str(x) for x in sources),
+        teacher_forced=json.loads(meta.get("labels", "null")) == "teacher-forced",
     )
 
 
 def dataset_summary(data_dir: Path) -> dict[str, Any]:
     """Shards, sequences, prompt and answer tokens of a dataset folder, and its mix: sequences and
     answer tokens per prompt kind (read from the shards' small tensors and metadata; the features
-    stay on disk). ``topk`` is the k of the stored soft labels (0: hard labels only)."""
+    stay on disk). ``topk`` is the k of the stored soft labels (0: hard labels only); for
+    teacher-forced text, ``target_agreement`` is the share of its tokens that are the target's
+    own choice (how far blocks on it carry labels past slot 1)."""
     summary: dict[str, Any] = {"shards": 0, "sequences": 0, "prompt_tokens": 0, "answer_tokens": 0, "topk": None}
     mix: dict[str, dict[str, int]] = {}
+    agree = [0, 0]  # teacher-forced text: tokens where the text is the target's own choice, of all
     for path in sorted(Path(data_dir).glob("shard-*.safetensors")):
         shard = load_shard(path)
         prompt = int(shard.prompt_len.sum())
@@ -305,6 +321,12 @@ def dataset_summary(data_dir: Path) -> dict[str, Any]:
         summary["answer_tokens"] += int(shard.tokens.numel()) - prompt
         k = int(shard.topk_ids.shape[1]) if shard.topk_ids is not None else 0
         summary["topk"] = k if summary["topk"] in (None, k) else min(summary["topk"], k)
+        if shard.teacher_forced:
+            for j in range(shard.num_sequences):
+                a, b = int(shard.offsets[j]), int(shard.offsets[j + 1])
+                text = shard.tokens[a + int(shard.prompt_len[j]) : b]
+                agree[0] += int((text == shard.answer_labels(j)).sum())
+                agree[1] += int(text.numel())
         lengths = ((shard.offsets[1:] - shard.offsets[:-1]) - shard.prompt_len).tolist()
         for j, n in enumerate(lengths):
             kind = shard.sources[j].split(":", 1)[0] if j < len(shard.sources) else "unknown"
@@ -312,5 +334,7 @@ def dataset_summary(data_dir: Path) -> dict[str, Any]:
             row["sequences"] += 1
             row["answer_tokens"] += int(n)
     summary["topk"] = summary["topk"] or 0
+    if agree[1]:
+        summary["target_agreement"] = round(agree[0] / agree[1], 4)
     summary["mix"] = dict(sorted(mix.items(), key=lambda kv: -kv[1]["sequences"]))
     return summary

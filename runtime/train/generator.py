@@ -235,13 +235,16 @@ def _mutate(code: str, rng: random.Random) -> str | None:
     return head + "\n" + body[:at] + new + body[at + len(old) :]
 
 
-def _source_files(roots: Iterable[Path]) -> list[Path]:
+def source_files(roots: Iterable[Path], suffixes: dict[str, str] | None = None) -> list[Path]:
+    """Source files under ``roots`` whose suffix is in ``suffixes`` (default ``SOURCE_SUFFIXES``),
+    in sorted order, without caches, vendored build helpers and dist-info folders."""
+    suffixes = SOURCE_SUFFIXES if suffixes is None else suffixes
     files = []
     for base in roots:
         if not base.is_dir():
             continue
         for p in sorted(base.rglob("*")):
-            if p.suffix not in SOURCE_SUFFIXES or not p.is_file():
+            if p.suffix not in suffixes or not p.is_file():
                 continue
             parts = p.relative_to(base).parts
             if any(part in _SKIP_DIRS or part in SKIP_PACKAGES or part.endswith(".dist-info") for part in parts[:-1]):
@@ -250,7 +253,9 @@ def _source_files(roots: Iterable[Path]) -> list[Path]:
     return files
 
 
-def _file_chunk(path: Path, rng: random.Random, max_chars: int = 1600) -> str | None:
+def file_chunk(path: Path, rng: random.Random, max_chars: int = 1600, lang: str | None = None) -> str | None:
+    """8-60 lines of ``path`` from its start or a top-level definition, at most ``max_chars``; None
+    for tiny, minified or mostly include/import files."""
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError):
@@ -258,7 +263,7 @@ def _file_chunk(path: Path, rng: random.Random, max_chars: int = 1600) -> str | 
     lines = text.splitlines()
     if len(lines) < 12 or max(len(line) for line in lines) > 200:  # tiny or minified/generated
         return None
-    lang = SOURCE_SUFFIXES[path.suffix]
+    lang = lang or SOURCE_SUFFIXES[path.suffix]
     starts = [0]
     pat = re.compile(r"^(def |class |async def )" if lang == "python" else r"^[A-Za-z_].*\)\s*\{?\s*$")
     starts += [i for i, line in enumerate(lines) if pat.match(line) and i + 8 < len(lines)]
@@ -336,10 +341,10 @@ def _kind_pools(
         )
         pools["multi-turn"].append(TrainPrompt(follow, True, f"multi-turn:{d.module}.{d.name}", msgs))
     roots = list(source_roots) if source_roots is not None else _default_source_roots(stdlib_root)
-    files = _source_files(roots)
+    files = source_files(roots)
     rng.shuffle(files)
     for path in files[:max_files]:
-        chunk = _file_chunk(path, rng)
+        chunk = file_chunk(path, rng)
         if chunk:
             lang = SOURCE_SUFFIXES[path.suffix]
             pools["raw-file"].append(TrainPrompt(chunk, False, f"raw-file:{lang}:{path.name}"))

@@ -150,6 +150,20 @@ class ShardDataset:
             feats = feats[:, self.columns]
         return s.tokens[a:b], feats, int(s.prompt_len[j])
 
+    def get_labels(self, i: int, max_len: int) -> torch.Tensor | None:
+        """The target's own choice for each token of sequence ``i`` [T] (-1 at prompt positions)
+        when its shard is teacher-forced text (``runtime.train.text``); None for generated answers,
+        whose tokens are the target's choices."""
+        si, j = self.index[i]
+        s = self.shards[si]
+        if not s.teacher_forced:
+            return None
+        a, b = int(s.offsets[j]), int(s.offsets[j + 1])
+        t, plen = min(b - a, max_len), int(s.prompt_len[j])
+        out = torch.full((t,), -1, dtype=torch.long)
+        out[plen:t] = s.answer_labels(j)[: max(t - plen, 0)]
+        return out
+
     @property
     def has_topk(self) -> bool:
         """Every shard stores the target's top-k distribution (soft labels)."""
@@ -182,12 +196,18 @@ def build_batch(
     mask_id: int,
     rng: random.Random,
     soft: Sequence[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
+    targets: Sequence[torch.Tensor | None] | None = None,
 ) -> dict[str, torch.Tensor] | None:
     """Pack sequences into one block-sparse training batch.
 
     Args:
         soft: per sequence, its top-k ids and log-probs (``ShardDataset.get_topk``); when given
             for every sequence, the batch also carries ``soft_ids`` / ``soft_logp``.
+        targets: per sequence, the target's own choice at each position (``ShardDataset.get_labels``)
+            or None when its tokens are the target's choices. With them, slot k of a block
+            anchored at ``a`` is labelled with the target's choice for ``a+k`` only while the
+            tokens ``a+1 .. a+k-1`` agree with the target's choices (what the target would verify
+            after those drafts); later slots are ignored.
 
     Returns:
         ``features`` [B, C, n*D], ``block_ids`` [B, A*b], ``labels`` [B, A, b-1] (-100 = ignore),
@@ -206,15 +226,15 @@ def build_batch(
         if not cands:
             continue
         chosen = sorted(rng.sample(cands, min(anchors, len(cands))))
-        picked.append((tokens, feats, chosen))
+        picked.append((tokens, feats, chosen, targets[si] if targets is not None else None))
         if use_soft:
             entry = soft[si] if soft is not None else None
             assert entry is not None  # use_soft: every sequence has its top-k
             soft_picked.append(entry)
     if not picked:
         return None
-    n, a_max = len(picked), max(len(c) for _, _, c in picked)
-    c_len = max(tok.numel() - 1 for tok, _, _ in picked)
+    n, a_max = len(picked), max(len(c) for _, _, c, _ in picked)
+    c_len = max(tok.numel() - 1 for tok, _, _, _ in picked)
     q = a_max * b
     feat_dim = picked[0][1].shape[-1]
     features = torch.zeros((n, c_len, feat_dim), dtype=picked[0][1].dtype)
@@ -228,8 +248,10 @@ def build_batch(
         k_top = soft_picked[0][0].shape[1]
         soft_ids = torch.full((n, a_max, b - 1, k_top), -1, dtype=torch.long)
         soft_logp = torch.zeros((n, a_max, b - 1, k_top), dtype=torch.float32)
-    for i, (tokens, feats, chosen) in enumerate(picked):
+    for i, (tokens, feats, chosen, tgt) in enumerate(picked):
         t = tokens.numel()
+        if tgt is not None:
+            agree = torch.cat([tokens == tgt, torch.zeros(b, dtype=torch.bool)])
         features[i, : t - 1] = feats[: t - 1]
         for j in range(a_max):
             qs = slice(j * b, (j + 1) * b)
@@ -241,7 +263,13 @@ def build_batch(
             positions[i, c_len + j * b : c_len + (j + 1) * b] = torch.arange(a, a + b)
             mask[i, 0, qs, :a] = True  # context strictly before the anchor
             valid = (a + ks) < t
-            labels[i, j, valid] = tokens[(a + ks)[valid]]
+            if tgt is None:
+                labels[i, j, valid] = tokens[(a + ks)[valid]]
+            else:  # slot k needs tokens a+1..a+k-1 to be the target's own choices
+                prefix = torch.cat([torch.ones(1, dtype=torch.bool), agree[a + 1 : a + b - 1]]).cumprod(0).bool()
+                valid = valid & prefix
+                labels[i, j, valid] = tgt[(a + ks)[valid]]
+                valid = valid & (labels[i, j] >= 0)
             if use_soft:
                 ids_i, logp_i = soft_picked[i]
                 soft_ids[i, j, valid] = ids_i[(a + ks)[valid]]
@@ -273,15 +301,9 @@ class DraftVocab:
 
 def build_draft_vocab(dataset: ShardDataset, size: int, always: Sequence[int] = ()) -> torch.Tensor:
     """The ``size`` most frequent answer tokens of the dataset (plus ``always``), sorted by id."""
-    counts: dict[int, int] = {}
-    for si, shard in enumerate(dataset.shards):
-        for j in range(shard.num_sequences):
-            a, b = int(shard.offsets[j]), int(shard.offsets[j + 1])
-            ans = shard.tokens[a + int(shard.prompt_len[j]) : b]
-            ids, c = torch.unique(ans, return_counts=True)
-            for t, n in zip(ids.tolist(), c.tolist(), strict=True):
-                counts[t] = counts.get(t, 0) + n
-        del si
+    from runtime.train.vocab import answer_counts
+
+    counts = answer_counts(dataset)
     ranked = sorted(counts, key=lambda t: -counts[t])[: max(size - len(always), 0)]
     return torch.tensor(sorted(set(ranked) | {int(t) for t in always}), dtype=torch.long)
 
@@ -485,7 +507,8 @@ class Trainer:
             picks = [self.rng.randrange(len(self.train_data)) for _ in range(self.cfg.seqs_per_step)]
             seqs = [self.train_data.get(i, self.cfg.max_len) for i in picks]
             soft = [self.train_data.get_topk(i, self.cfg.max_len) for i in picks] if self._soft else None
-            batch = build_batch(seqs, self.cfg.anchors, self.block, self.mask_id, self.rng, soft)
+            targets = [self.train_data.get_labels(i, self.cfg.max_len) for i in picks]
+            batch = build_batch(seqs, self.cfg.anchors, self.block, self.mask_id, self.rng, soft, targets)
         lr = self.lr_at(self.progress())
         for g in self.opt.param_groups:
             g["lr"] = lr
@@ -538,7 +561,8 @@ class Trainer:
                 pick = idx[i : i + 2]
                 seqs = [data.get(j, self.cfg.max_len) for j in pick]
                 soft = [data.get_topk(j, self.cfg.max_len) for j in pick] if data.has_topk else None
-                b = build_batch(seqs, self.cfg.anchors, self.block, self.mask_id, rng, soft)
+                targets = [data.get_labels(j, self.cfg.max_len) for j in pick]
+                b = build_batch(seqs, self.cfg.anchors, self.block, self.mask_id, rng, soft, targets)
                 if b is not None:
                     batches.append(b)
             self._val_batches[name] = batches

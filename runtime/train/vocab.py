@@ -27,12 +27,12 @@ ROUND = 512  # an auto size is rounded up to a multiple of this (matmul-friendly
 
 
 def answer_counts(dataset: Any) -> Counter[int]:
-    """Answer-token frequencies of a ``ShardDataset`` (prompt tokens are not drafted)."""
+    """Frequencies of the target's answer choices in a ``ShardDataset`` (prompt tokens are not
+    drafted; for teacher-forced text, the target's argmax rather than the text)."""
     counts: Counter[int] = Counter()
     for shard in dataset.shards:
         for j in range(shard.num_sequences):
-            a, b = int(shard.offsets[j]), int(shard.offsets[j + 1])
-            ans = shard.tokens[a + int(shard.prompt_len[j]) : b]
+            ans = shard.answer_labels(j)
             ids, c = torch.unique(ans, return_counts=True)
             counts.update(dict(zip(ids.tolist(), c.tolist(), strict=True)))
     return counts
