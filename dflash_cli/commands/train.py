@@ -59,7 +59,7 @@ def train(
         typer.Option(
             "--extra-data",
             help="Another dataset folder to train on as well (repeatable; same taps; its last shard is "
-            "held out with --data's).",
+            "held out with --data's; a --text-from dataset is trained on whole).",
         ),
     ] = None,
     prompts: Annotated[
