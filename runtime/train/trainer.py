@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from runtime.engine.drafter import DFlashDraftModel, load_draft_model, save_draft_model
 from runtime.errors import ConfigError
 from runtime.train.data import Shard, load_shard
+from runtime.train.losses import fused_head_loss
 from runtime.train.state import load_trainer_state, save_trainer_state
 
 Progress = Callable[[dict[str, Any]], None]
@@ -400,43 +401,50 @@ class Trainer:
             emb = F.embedding(block_ids, self.embed)
             h = self.drafter(emb, ctx, batch["positions"].to(dev), mask=batch["mask"].to(dev))
             h = h.view(n, a, self.block, -1)[:, :, 1:]  # slots 1..b-1
-            logits = F.linear(h.reshape(-1, h.shape[-1]), self.head)  # 2-D: no broadcast copies
+        rows = h.reshape(-1, h.shape[-1])
         target = self.vocab.map(labels.cpu()).to(dev).view(-1)
-        logits = logits.float()
-        ce = F.cross_entropy(logits, target, ignore_index=-100, reduction="none")
         w = self.weights.repeat(n * a)
         valid = (target >= 0).float()
-        hard = (ce * w * valid).sum() / (w * valid).sum().clamp(min=1e-6)
-        soft, kl = self._soft_ce(logits, batch, w) if "soft_ids" in batch else (None, None)
-        loss = hard
-        if self.cfg.distill == "soft" and soft is not None:
-            loss = (1.0 - self.cfg.soft_weight) * hard + self.cfg.soft_weight * soft
+        hard_coef = w * valid / (w * valid).sum().clamp(min=1e-6)
+        ids, coef = target.clamp(min=0)[:, None], hard_coef[:, None]
+        soft_parts = self._soft_targets(batch, w) if "soft_ids" in batch else None
+        use_soft = self.cfg.distill == "soft" and soft_parts is not None
+        if soft_parts is not None:
+            s_idx, s_coef, _ = soft_parts
+            mix = self.cfg.soft_weight if use_soft else 0.0  # 0: soft metrics only
+            ids = torch.cat([ids, s_idx], 1)
+            coef = torch.cat([coef * (1.0 - mix), s_coef * mix], 1)
+        out_h = fused_head_loss(rows, self.head, ids, coef, metrics=metrics)
+        loss = out_h.loss  # with --distill hard the soft entries weigh 0: they only feed the metrics
         if not metrics:
             return loss, {}
         with torch.no_grad():
-            pred = logits.argmax(-1)
-            full_pred = self.drafter_ids(pred).view(n, a, self.block - 1)
+            hard_rows = out_h.lse - out_h.picked[:, 0]
+            out: dict[str, Any] = {"hard": float((hard_rows * hard_coef).sum())}
+            if soft_parts is not None:
+                _, s_coef, entropy = soft_parts
+                soft = float((s_coef.sum(-1) * out_h.lse).sum() - (s_coef * out_h.picked[:, 1:]).sum())
+                out["soft"], out["kl"] = soft, soft - float(entropy)
+            assert out_h.pred is not None and out_h.rank is not None
+            full_pred = self.drafter_ids(out_h.pred).view(n, a, self.block - 1)
             correct = (full_pred == labels) & (labels >= 0)
             present = labels >= 0
             # rank of the target's token among the draft logits (a huge rank when outside the draft vocab)
-            lab_logit = logits.gather(1, target.clamp(min=0)[:, None])
-            rank = (logits > lab_logit).sum(-1)
-            rank = torch.where(target >= 0, rank, torch.full_like(rank, 1 << 30)).view(n, a, self.block - 1)
+            rank = torch.where(target >= 0, out_h.rank, torch.full_like(out_h.rank, 1 << 30)).view(n, a, self.block - 1)
             oov = (target.view(n, a, self.block - 1) < 0) & present
-        out: dict[str, Any] = {"correct": correct.cpu(), "present": present.cpu(), "rank": rank.cpu(), "oov": oov.cpu()}
-        out["hard"] = float(hard.detach())
-        if soft is not None and kl is not None:
-            out["soft"], out["kl"] = float(soft.detach()), float(kl.detach())
+        out.update({"correct": correct.cpu(), "present": present.cpu(), "rank": rank.cpu(), "oov": oov.cpu()})
         return loss, out
 
-    def _soft_ce(
-        self, logits: torch.Tensor, batch: dict[str, torch.Tensor], w: torch.Tensor
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Slot-weighted soft cross-entropy against the stored top-k target distribution, and the
-        matching KL divergence (soft CE minus the target distribution's entropy: 0 when matched).
+    def _soft_targets(
+        self, batch: dict[str, torch.Tensor], w: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The stored top-k target distribution as sparse loss entries: head indices [R, k], weights
+        [R, k] (the renormalised probability times the row's slot weight, normalised over the rows
+        that have one) and the weighted mean entropy of those distributions (soft CE minus it is
+        the KL divergence: 0 when matched).
 
         The target's probabilities are renormalised over the top-k ids inside the draft vocabulary;
-        slots with none of them inside are skipped.
+        slots with none of them inside are skipped. None when no row has any.
         """
         ids = batch["soft_ids"]  # [n, A, b-1, k]
         k = ids.shape[-1]
@@ -446,15 +454,12 @@ class Trainer:
         mass = p.sum(-1)
         has = mass > 0
         if not bool(has.any()):
-            return None, None
-        q = (p / mass.clamp(min=1e-12)[:, None]).to(logits.device)
-        logp = logits.log_softmax(-1).gather(1, idx.clamp(min=0).to(logits.device))
-        per_slot = -(q * logp).sum(-1)
-        entropy = -(q * q.clamp(min=1e-12).log()).sum(-1)
-        wh = w * has.to(logits.device).float()
-        norm = wh.sum().clamp(min=1e-6)
-        ce = (per_slot * wh).sum() / norm
-        return ce, ce - (entropy * wh).sum() / norm
+            return None
+        q = (p / mass.clamp(min=1e-12)[:, None]).to(self.device)
+        wh = w * has.to(self.device).float()
+        row = wh / wh.sum().clamp(min=1e-6)
+        entropy = (-(q * q.clamp(min=1e-12).log()).sum(-1) * row).sum()
+        return idx.clamp(min=0).to(self.device), q * row[:, None], entropy
 
     def drafter_ids(self, idx: torch.Tensor) -> torch.Tensor:
         """Draft-head indices -> full-vocab ids."""
