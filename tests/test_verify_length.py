@@ -7,6 +7,7 @@ import json
 import random
 
 import pytest
+import torch
 
 from runtime.engine import calibrate
 from runtime.engine.calibrate import VerifyCosts, cached_costs, untrustworthy
@@ -126,3 +127,28 @@ def test_a_poisoned_cache_entry_is_measured_again(tmp_path, fake_measure):
     assert cached_costs(None, f) == clean and len(calls) == 1
     assert json.loads(f.read_text())["key"]["verify"] == list(TRUE_COST)
     assert cached_costs(None, f) == clean and len(calls) == 1  # now cached
+
+
+@pytest.mark.parametrize("start", range(0, 40, 3))
+def test_a_busy_spell_during_calibration_leaves_every_cost_exact(monkeypatch, start):
+    """A spell as long as all repetitions of one size (here 4 forwards at 1.6x) cannot inflate any
+    size: sizes are timed in interleaved rounds and the least time kept. Timing each size's
+    repetitions back to back let such a spell make 9-token trees look 25% dearer than they were."""
+    clock = {"t": 0.0, "calls": 0}
+    reps = 3
+    spell = range(start, start + reps + 1)
+    true = {n: 0.05 * TRUE_COST[n - 1] for n in range(1, 9)}
+
+    def job(n):
+        def run():
+            slow = 1.6 if clock["calls"] in spell else 1.0
+            clock["t"] += true[n] * slow
+            clock["calls"] += 1
+
+        return run
+
+    monkeypatch.setattr(calibrate.time, "perf_counter", lambda: clock["t"])
+    best, spreads = calibrate._timed_rounds({n: job(n) for n in true}, reps, torch.device("cpu"))
+    assert clock["calls"] == 8 * (reps + 1)
+    assert best == pytest.approx(true)
+    assert len(spreads) == 8

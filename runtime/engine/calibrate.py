@@ -4,7 +4,8 @@
 forward, relative to a one-token target forward; for tree verification (``max_tokens`` > b) it
 also times a few larger verifies up to ``max_tokens`` (17, 33, 65) and interpolates between them. ``cached_costs`` keeps the result in a JSON file
 (keyed by model, device, dtype, threads and torch version) so that only the first run pays the
-few seconds it takes.
+few seconds it takes. Sizes are timed in interleaved rounds and the least time of each is kept,
+so a busy spell cannot inflate all repetitions of a few neighbouring sizes.
 
 A measurement taken while the machine is busy can be nonsense (3 drafts cheaper than 1), and a
 cached one would mislead every later run. So a measurement is cached only when it is trustworthy
@@ -86,6 +87,9 @@ def _sync(device: torch.device) -> None:
         torch.mps.synchronize()
 
 
+# How costs are measured, part of the cache key: entries timed by an older method (each size's
+# repetitions back to back, median kept) are measured again instead of trusted.
+METHOD = "rounds-min"
 TREE_POINTS = (12, 17, 24, 33, 48, 65)  # verify sizes timed beyond the block for trees
 TREE_VERIFY_TOKENS = 65  # largest tree verify costed by default (budget 64 + the anchor)
 
@@ -98,7 +102,7 @@ def measure_costs(pipeline: Any, context: int = 96, reps: int = 3, max_tokens: i
     Args:
         pipeline: a loaded ``Pipeline`` with a drafter.
         context: tokens already in the KV cache (a typical prompt).
-        reps: repetitions per length (the median is kept).
+        reps: repetitions per length, taken in interleaved rounds (the least time is kept).
         max_tokens: also cost verifies up to this many tokens (tree verification; None: the block).
 
     Returns:
@@ -115,21 +119,6 @@ def measure_costs(pipeline: Any, context: int = 96, reps: int = 3, max_tokens: i
     cache = target.new_cache()
     _, feats = target.forward(prompt, cache, logits_to_keep=1, capture=drafter is not None)
 
-    spreads: list[float] = []
-
-    def timed(fn: Any) -> float:
-        samples = []
-        for _ in range(reps + 1):  # first call warms up
-            _sync(device)
-            t0 = time.perf_counter()
-            fn()
-            _sync(device)
-            samples.append(time.perf_counter() - t0)
-        kept = samples[1:]
-        mid = statistics.median(kept)
-        spreads.append((max(kept) - min(kept)) / mid if mid > 0 else 0.0)
-        return mid
-
     top = max(b, max_tokens or 0)
     context = max(context, top)
     if prompt.shape[1] < context:
@@ -137,7 +126,7 @@ def measure_costs(pipeline: Any, context: int = 96, reps: int = 3, max_tokens: i
         cache = target.new_cache()
         _, feats = target.forward(prompt, cache, logits_to_keep=1, capture=drafter is not None)
     sizes = list(range(1, b + 1)) + [n for n in TREE_POINTS if b < n < top] + ([top] if top > b else [])
-    measured: dict[int, float] = {}
+    jobs: dict[Any, Any] = {}
     for n in sizes:
         ids = prompt[:, :n]
 
@@ -145,9 +134,7 @@ def measure_costs(pipeline: Any, context: int = 96, reps: int = 3, max_tokens: i
             target.forward(ids, cache, capture=drafter is not None)
             target.crop(cache, context)
 
-        measured[n] = timed(verify)
-    times = _interpolate(_monotone(measured), top)
-    draft_rel = 0.0
+        jobs[n] = verify
     if drafter is not None and feats is not None:
         from runtime.engine.dflash import DraftHead
 
@@ -162,9 +149,41 @@ def measure_costs(pipeline: Any, context: int = 96, reps: int = 3, max_tokens: i
             h = drafter(target.embed(block), drafter.fuse_context(ctx), pos, cache=c)
             head.argmax(h[0, 1:])
 
-        draft_rel = timed(draft) / times[0]
+        jobs["draft"] = draft
+    best, spreads = _timed_rounds(jobs, reps, device)
+    times = _interpolate(_monotone({n: best[n] for n in sizes}), top)
+    draft_rel = best["draft"] / times[0] if "draft" in best else 0.0
     base = times[0]
     return VerifyCosts(tuple(round(t / base, 4) for t in times), round(draft_rel, 4), base, round(max(spreads), 4))
+
+
+def _timed_rounds(jobs: dict[Any, Any], reps: int, device: torch.device) -> tuple[dict[Any, float], list[float]]:
+    """Time every job ``reps`` times in interleaved rounds (after one warm-up round).
+
+    A busy spell on a shared machine lasts longer than one forward, so timing each size's
+    repetitions back to back let one spell inflate every repetition of the few sizes it covered,
+    and the cached costs then misled the tree budget of every later run. Round by round, a spell
+    hits one repetition of many sizes instead, and the least time of each job is kept (noise only
+    ever adds time).
+
+    Returns:
+        (least time per job, relative spread (max - min) / median of each job's repetitions).
+    """
+    samples: dict[Any, list[float]] = {k: [] for k in jobs}
+    for _ in range(reps + 1):
+        for key, fn in jobs.items():
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            samples[key].append(time.perf_counter() - t0)
+    best, spreads = {}, []
+    for key, got in samples.items():
+        kept = got[1:] or got  # the first round warms up
+        mid = statistics.median(kept)
+        spreads.append((max(kept) - min(kept)) / mid if mid > 0 else 0.0)
+        best[key] = min(kept)
+    return best, spreads
 
 
 def _monotone(measured: dict[int, float]) -> dict[int, float]:
@@ -196,7 +215,8 @@ def _interpolate(measured: dict[int, float], top: int) -> list[float]:
 
 def cache_key(pipeline: Any) -> str:
     """Identity of a measurement: model, quantization scheme, target forward (lean or transformers,
-    and which native CPU kernels it runs), drafter shape, device, dtype, threads, torch version."""
+    and which native CPU kernels it runs), drafter shape, device, dtype, threads, torch version,
+    measuring method."""
     d = pipeline.describe()
     drafter = pipeline.drafter
     shape = (
@@ -221,6 +241,7 @@ def cache_key(pipeline: Any) -> str:
         d["dtype"],
         str(torch.get_num_threads()),
         torch.__version__,
+        METHOD,
     ]
     return "|".join(parts)
 
