@@ -179,6 +179,8 @@ def test_cli_train_end_to_end(tiny, tmp_path, monkeypatch):
         "12",
         "--eval-every",
         "30",
+        "--lr",
+        "3e-4",
         "--answer-tokens",
         "16",
         "--dtype",
@@ -237,6 +239,16 @@ def test_cli_train_end_to_end(tiny, tmp_path, monkeypatch):
         app, ["run", "--target", str(target_dir), "--drafter", str(drafter_dir), "--raw", "-n", "8", "def"]
     )
     assert run.exit_code == 0, run.output
+    # --resume --extend keeps the run's hyper-parameters (lr 3e-4, anchors 8, eval every 30), not the
+    # flags' defaults; only what is typed now changes (--seqs-per-step 1) and the new schedule (--steps 4)
+    more = ["train", "--target", str(target_dir), "--out", str(out), "--data", str(data_dir), "--resume"]
+    more += ["--extend", "--steps", "4", "--seqs-per-step", "1", "--no-eval", "--dtype", "float32"]
+    r = CliRunner().invoke(app, more)
+    assert r.exit_code == 0, r.output
+    saved = load_trainer_state(out / "checkpoint")
+    cfg = saved["config"]
+    assert (cfg["lr"], cfg["anchors"], cfg["eval_every"], cfg["seqs_per_step"], cfg["steps"]) == (3e-4, 8, 30, 1, 4)
+    assert saved["state"]["step"] == 34 and saved["state"]["segments"] == 2
 
 
 def test_cli_train_needs_a_budget(tmp_path):

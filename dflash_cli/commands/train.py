@@ -48,6 +48,7 @@ def _duration(text: str | None) -> float | None:
 
 @handle_errors
 def train(
+    ctx: typer.Context,
     out: Annotated[Path, typer.Option("--out", "-o", help="Run folder (data/, checkpoint/, drafter/).")],
     model: ModelOpt = None,
     target: TargetOpt = None,
@@ -149,7 +150,12 @@ def train(
             help="auto (bf16 autocast on GPUs and CPUs with native bf16, float32 on others), bf16 or fp32.",
         ),
     ] = "auto",
-    resume: Annotated[bool, typer.Option("--resume", help="Continue OUT/checkpoint.")] = False,
+    resume: Annotated[
+        bool,
+        typer.Option(
+            "--resume", help="Continue OUT/checkpoint with its recorded settings (flags given now override them)."
+        ),
+    ] = False,
     extend: Annotated[
         bool, typer.Option("--extend", help="With --resume: a new warm-up + cosine segment (continue a finished run).")
     ] = False,
@@ -223,18 +229,25 @@ def train(
     )
     cfg = None
     if not data_only and (steps is not None or budget is not None):  # --resume alone keeps the run's schedule
-        cfg = TrainConfig(
-            steps=steps,
-            time_budget=budget,
-            lr=lr,
-            anchors=anchors,
-            seqs_per_step=seqs_per_step,
-            max_len=max_len,
-            distill=distill,
-            soft_weight=soft_weight,
-            eval_every=eval_every,
-            bf16=_train_bf16(precision, device),
-        )
+        given: dict[str, Any] = {
+            "lr": lr,
+            "anchors": anchors,
+            "seqs_per_step": seqs_per_step,
+            "max_len": max_len,
+            "distill": distill,
+            "soft_weight": soft_weight,
+            "eval_every": eval_every,
+            "bf16": _train_bf16(precision, device),
+        }
+        saved = _saved_config(out) if resume else None
+        if saved is not None:
+            # a resumed run keeps its own hyper-parameters; only the flags typed now change them
+            typed = {"bf16" if k == "precision" else k for k in ctx.params if _typed(ctx, k)}
+            given = {
+                **{k: v for k, v in saved.items() if k not in ("steps", "time_budget")},
+                **{k: v for k, v in given.items() if k in typed},
+            }
+        cfg = TrainConfig(steps=steps, time_budget=budget, **given)
     out.mkdir(parents=True, exist_ok=True)
     data_dir = data or out / "data"
     session = session_options(model, target, "none", device, _train_dtype(dtype, device), offline, threads=threads)
@@ -310,6 +323,23 @@ def train(
     path = export(out, evaluation, card)
     say(f"drafter saved to {path}")
     print(path)
+
+
+def _saved_config(out: Path) -> dict[str, Any] | None:
+    """The hyper-parameters recorded in OUT/checkpoint, or None without a checkpoint."""
+    from runtime.train.state import load_trainer_state
+
+    if not (out / "checkpoint" / "config.json").exists():
+        return None
+    saved = dict(load_trainer_state(out / "checkpoint")["config"])
+    saved["betas"] = tuple(saved["betas"])
+    return saved
+
+
+def _typed(ctx: typer.Context, name: str) -> bool:
+    """Whether option ``name`` was given on the command line (not its default)."""
+    source = ctx.get_parameter_source(name)  # an enum of typer's own click: compared by name
+    return getattr(source, "name", None) in ("COMMANDLINE", "ENVIRONMENT")
 
 
 def _train_dtype(dtype: Any, device: str) -> Any:
