@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shlex
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -178,7 +179,16 @@ def train(
     The drafter is saved in the published DFlash layout (config.json + model.safetensors) with a
     model card, so `dflash run --drafter OUT/drafter` and other engines load it.
     """
-    from runtime.train.api import DataSpec, DrafterSpec, data_report, export, fit, prepare_data, prepare_eval_data
+    from runtime.train.api import (
+        DataSpec,
+        DrafterSpec,
+        data_report,
+        export,
+        fit,
+        prepare_data,
+        prepare_eval_data,
+        saved_config,
+    )
     from runtime.train.trainer import TrainConfig
 
     budget = _duration(time_budget)
@@ -239,15 +249,13 @@ def train(
             "eval_every": eval_every,
             "bf16": _train_bf16(precision, device),
         }
-        saved = _saved_config(out) if resume else None
-        if saved is not None:
+        if resume and (out / "checkpoint" / "config.json").exists():
             # a resumed run keeps its own hyper-parameters; only the flags typed now change them
             typed = {"bf16" if k == "precision" else k for k in ctx.params if _typed(ctx, k)}
-            given = {
-                **{k: v for k, v in saved.items() if k not in ("steps", "time_budget")},
-                **{k: v for k, v in given.items() if k in typed},
-            }
-        cfg = TrainConfig(steps=steps, time_budget=budget, **given)
+            overrides = {k: v for k, v in given.items() if k in typed}
+            cfg = replace(saved_config(out / "checkpoint"), steps=steps, time_budget=budget, **overrides)
+        else:
+            cfg = TrainConfig(steps=steps, time_budget=budget, **given)
     out.mkdir(parents=True, exist_ok=True)
     data_dir = data or out / "data"
     session = session_options(model, target, "none", device, _train_dtype(dtype, device), offline, threads=threads)
@@ -323,17 +331,6 @@ def train(
     path = export(out, evaluation, card)
     say(f"drafter saved to {path}")
     print(path)
-
-
-def _saved_config(out: Path) -> dict[str, Any] | None:
-    """The hyper-parameters recorded in OUT/checkpoint, or None without a checkpoint."""
-    from runtime.train.state import load_trainer_state
-
-    if not (out / "checkpoint" / "config.json").exists():
-        return None
-    saved = dict(load_trainer_state(out / "checkpoint")["config"])
-    saved["betas"] = tuple(saved["betas"])
-    return saved
 
 
 def _typed(ctx: typer.Context, name: str) -> bool:

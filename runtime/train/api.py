@@ -392,6 +392,13 @@ def open_datasets(
     return train, val
 
 
+def saved_config(ckpt: Path) -> TrainConfig:
+    """The hyper-parameters a run recorded in its ``checkpoint/`` folder."""
+    saved = dict(load_trainer_state(ckpt)["config"])
+    saved["betas"] = tuple(saved["betas"])
+    return TrainConfig(**saved)
+
+
 def fit(
     target: TargetModel,
     tokenizer: Any,
@@ -429,9 +436,7 @@ def fit(
         drafter = load_draft_model(ckpt, "cpu", torch.float32)
         cfg = dict(drafter.config.raw)
         if config is None:
-            saved = dict(load_trainer_state(ckpt)["config"])
-            saved["betas"] = tuple(saved["betas"])
-            config = TrainConfig(**saved)
+            config = saved_config(ckpt)
     else:
         if config is None:
             raise ConfigError("a new training run needs a number of steps or a time budget")
