@@ -105,6 +105,14 @@ TreeBudgetOpt = Annotated[
         "(default: chosen for the device from measured costs).",
     ),
 ]
+LookupOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--lookup",
+        help="With tree verification, most tokens per step copied from the prompt or answer where its last "
+        "tokens occurred before, verified with the tree; 0 = off (default: 16).",
+    ),
+]
 DecoderOpt = Annotated[DecoderChoice, typer.Option("--decoder", help="dflash (speculative) or ar (plain).")]
 ServerOpt = Annotated[
     str | None,

@@ -24,6 +24,8 @@ def format_stats_line(stats: Any, reason: str) -> str:
         line += f" | tau {stats.tau:.2f} | accept {stats.acceptance_rate * 100:.0f}% | block {stats.block_size}, " + (
             f"tree {stats.tree_budget}" if getattr(stats, "tree_budget", 0) else f"verify {stats.verify_length}"
         )
+        if getattr(stats, "lookup", 0):
+            line += f", lookup {stats.lookup} ({stats.copied_tokens} copied)"
     return line + f" | finish: {reason}"
 
 

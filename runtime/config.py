@@ -13,6 +13,8 @@ from runtime.errors import ConfigError
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 MAX_TREE_BUDGET = 1024  # drafted nodes per tree verify
+MAX_LOOKUP = 256  # context tokens copied per step
+DEFAULT_LOOKUP = 16
 
 
 @dataclass(frozen=True)
@@ -137,12 +139,16 @@ class DecodeOptions:
         tree_budget: tree verification (DDTree) with this many drafted nodes per verify; 0 = the
             chain; None: chosen for the device (``runtime.engine.tree_budget``) when the verify
             costs of trees are known, else the chain.
+        lookup: with tree verification, most tokens per step copied from the context where its last
+            tokens occurred before (``runtime.engine.lookup``); 0 = off; None: the default
+            (``DEFAULT_LOOKUP``).
     """
 
     decoder: str = "dflash"
     block_size: int | None = None
     verify_length: int | None = None
     tree_budget: int | None = None
+    lookup: int | None = None
 
     def __post_init__(self) -> None:
         if self.decoder not in ("dflash", "ar"):
@@ -153,3 +159,5 @@ class DecodeOptions:
             raise ConfigError(f"verify length must be >= 0, got {self.verify_length}")
         if self.tree_budget is not None and not (0 <= self.tree_budget <= MAX_TREE_BUDGET):
             raise ConfigError(f"tree budget must be in [0, {MAX_TREE_BUDGET}] (0 = chain), got {self.tree_budget}")
+        if self.lookup is not None and not (0 <= self.lookup <= MAX_LOOKUP):
+            raise ConfigError(f"lookup length must be in [0, {MAX_LOOKUP}] (0 = off), got {self.lookup}")

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from runtime.backend import Capabilities
-from runtime.config import DecodeOptions, RuntimeConfig, SamplingParams
+from runtime.config import DEFAULT_LOOKUP, DecodeOptions, RuntimeConfig, SamplingParams
 from runtime.engine import AutoregressiveDecoder, CancelToken, Decoder, DFlashDecoder
 from runtime.engine.calibrate import VerifyCosts
 from runtime.engine.device import dtype_name, resolve_device, resolve_dtype
@@ -398,6 +398,7 @@ class Pipeline:
                 block_size=block,
                 tree_budget=tree,
                 stop_token_ids=self.stop_token_ids,
+                lookup=DEFAULT_LOOKUP if opts.lookup is None else opts.lookup,
             )
         return DFlashDecoder(
             self.target,

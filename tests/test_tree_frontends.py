@@ -152,13 +152,45 @@ def test_bench_tree_budget_rows(tiny_pair, tmp_path):
     doc = json.loads(r.stdout.splitlines()[-1])
     rows = {m["name"]: m for m in doc["methods"]}
     assert list(rows) == ["ar", "dflash-chain", "dflash-tree4", "dflash-tree-auto"]
-    assert rows["dflash-tree4"]["label"] == "dflash b4 tree4" and rows["dflash-tree4"]["tree_budgets"] == [4, 4]
+    assert rows["dflash-tree4"]["label"] == "dflash b4 tree4 lookup16" and rows["dflash-tree4"]["tree_budgets"] == [
+        4,
+        4,
+    ]
     assert rows["dflash-chain"]["tree_budgets"] == [0, 0] and "tree" not in rows["dflash-chain"]["label"]
     assert all(m["agreement"]["identical"] == 2 for m in doc["methods"][1:])
     assert doc["config"]["tree_budgets"] == [0, 4, None]
     assert "dflash b4 tree4" in r.stderr
     bad = runner.invoke(app, ["bench", *pair_args(tiny_pair), "--tree-budgets", "4,x"])
     assert bad.exit_code != 0 and "--tree-budgets" in bad.stderr
+
+
+def test_bench_lookup_rows_and_run_lookup_option(tiny_pair, tmp_path):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("def add(a, b): return a + b\\ndef add(a, b):\nclass Stack:\n")
+    r = runner.invoke(
+        app,
+        ["bench", *pair_args(tiny_pair), "--prompts", str(prompts), "-n", "12", "--methods", "dflash",
+         "--tree-budget", "4", "--lookups", "0,8,auto", "--warmup", "0"],
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout.splitlines()[-1])
+    rows = {m["name"]: m for m in doc["methods"]}
+    assert list(rows) == ["ar", "dflash-lookup0", "dflash-lookup8", "dflash-lookup-auto"]
+    assert rows["dflash-lookup0"]["label"] == "dflash b4 tree4"
+    assert rows["dflash-lookup8"]["label"] == "dflash b4 tree4 lookup8"
+    assert rows["dflash-lookup-auto"]["label"] == "dflash b4 tree4 lookup16"
+    assert [run["lookup"] for run in rows["dflash-lookup8"]["runs"]] == [8, 8]
+    assert all(m["agreement"]["identical"] == 2 for m in doc["methods"][1:])
+    assert doc["config"]["lookups"] == [0, 8, None]
+    base = [*pair_args(tiny_pair), "-n", "16", "--raw", "--tree-budget", "4", "--stats", "def f(x): def f(x):"]
+    on = runner.invoke(app, ["run", *base, "--lookup", "8"])
+    off = runner.invoke(app, ["run", *base, "--lookup", "0"])
+    assert on.exit_code == 0 and off.exit_code == 0, on.output
+    assert on.stdout == off.stdout  # lossless either way
+    assert "lookup 8 (" in on.stderr and "copied)" in on.stderr and "lookup" not in off.stderr
+    for bad in (["run", *base, "--lookup", "-1"], ["bench", *pair_args(tiny_pair), "--lookups", "4,x"]):
+        res = runner.invoke(app, bad)
+        assert res.exit_code == 2 and "lookup" in res.stderr, res.output
 
 
 # -- serve ----------------------------------------------------------------------------------
@@ -180,6 +212,20 @@ def test_serve_takes_tree_budget_per_request(server, pipe):
     assert status == 400 and "tree_budget" in resp["error"]["message"]  # capped: one request cannot stall a step
     status, resp = post(server.url + "/v1/completions", {**body, "dflash": {"tree_budget": "big"}})
     assert status == 400 and "tree_budget" in resp["error"]["message"]
+
+
+def test_serve_takes_lookup_per_request(server):
+    body = {"prompt": "x = 1\nx = 1\nx =", "max_tokens": 12, "temperature": 0, "dflash": {"tree_budget": 4}}
+    texts = []
+    for lookup in (0, 12):
+        status, resp = post(server.url + "/v1/completions", {**body, "dflash": {"tree_budget": 4, "lookup": lookup}})
+        assert status == 200, resp
+        assert resp["dflash"]["stats"]["lookup"] == lookup and resp["dflash"]["stats"]["copied_tokens"] >= 0
+        texts.append(resp["choices"][0]["text"])
+    assert texts[0] == texts[1]
+    for bad in (-1, 1000, "long"):
+        status, resp = post(server.url + "/v1/completions", {**body, "dflash": {"lookup": bad}})
+        assert status == 400 and "lookup" in resp["error"]["message"]
 
 
 # -- TUI ------------------------------------------------------------------------------------

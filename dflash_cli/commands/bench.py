@@ -23,6 +23,7 @@ from ..common import (
     DtypeChoice,
     DtypeOpt,
     EngineOpt,
+    LookupOpt,
     ModelOpt,
     OfflineOpt,
     QuantizeOpt,
@@ -90,6 +91,15 @@ def _tree_budgets(value: str | None) -> tuple[int | None, ...]:
         raise ConfigError(f"--tree-budgets expects budgets like 0,4,8,16,auto, got {value!r}") from None
 
 
+def _lookups(value: str | None) -> tuple[int | None, ...]:
+    from runtime.errors import ConfigError
+
+    try:
+        return tuple(None if p.lower() == "auto" else int(p) for p in _split(value, "--lookups"))
+    except ValueError:
+        raise ConfigError(f"--lookups expects lengths like 0,8,16,auto, got {value!r}") from None
+
+
 def _err(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
@@ -132,6 +142,14 @@ def bench(
             "--tree-budgets",
             help="DFlash tree budgets to sweep, one row each, e.g. 0,4,8,16,32,auto (0 = chain, auto = the "
             "runtime's choice).",
+        ),
+    ] = None,
+    lookup: LookupOpt = None,
+    lookups: Annotated[
+        str | None,
+        typer.Option(
+            "--lookups",
+            help="DFlash context-lookup lengths to sweep, one row each, e.g. 0,16,auto (0 = off, auto = the default).",
         ),
     ] = None,
     assistant: Annotated[
@@ -194,6 +212,8 @@ def bench(
         verify_length=verify_length,
         tree_budgets=_tree_budgets(tree_budgets),
         tree_budget=tree_budget,
+        lookups=_lookups(lookups),
+        lookup=lookup,
         max_new_tokens=max_tokens,
         temperature=temperature,
         seed=seed,

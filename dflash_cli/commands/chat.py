@@ -24,6 +24,7 @@ from ..common import (
     DrafterOpt,
     DtypeChoice,
     DtypeOpt,
+    LookupOpt,
     MaxTokensOpt,
     ModelOpt,
     OfflineOpt,
@@ -92,6 +93,7 @@ def chat(
     block_size: BlockSizeOpt = None,
     verify_length: VerifyOpt = None,
     tree_budget: TreeBudgetOpt = None,
+    lookup: LookupOpt = None,
     decoder: DecoderOpt = DecoderChoice.dflash,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = DtypeChoice.auto,
@@ -146,7 +148,11 @@ def chat(
     # --drafter none means plain decoding: no drafter to draft with.
     plain = decoder == DecoderChoice.ar or (drafter or "").lower() == "none"
     opts = DecodeOptions(
-        decoder="ar" if plain else "dflash", block_size=block_size, verify_length=verify_length, tree_budget=tree_budget
+        decoder="ar" if plain else "dflash",
+        block_size=block_size,
+        verify_length=verify_length,
+        tree_budget=tree_budget,
+        lookup=lookup,
     )
     session = session_options(model, target, drafter, device, dtype, offline, revision, quantize, threads, server, opts)
     resume_id = _resume_id(resume, db) if resume is not None else None

@@ -23,6 +23,7 @@ from ..common import (
     DtypeChoice,
     DtypeOpt,
     EngineOpt,
+    LookupOpt,
     MaxTokensOpt,
     ModelOpt,
     OfflineOpt,
@@ -91,6 +92,7 @@ def run(
     block_size: BlockSizeOpt = None,
     verify_length: VerifyOpt = None,
     tree_budget: TreeBudgetOpt = None,
+    lookup: LookupOpt = None,
     decoder: DecoderOpt = DecoderChoice.dflash,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = DtypeChoice.auto,
@@ -133,7 +135,11 @@ def run(
         stop_strings=tuple(stop or ()),
     )
     opts = DecodeOptions(
-        decoder=decoder.value, block_size=block_size, verify_length=verify_length, tree_budget=tree_budget
+        decoder=decoder.value,
+        block_size=block_size,
+        verify_length=verify_length,
+        tree_budget=tree_budget,
+        lookup=lookup,
     )
     use_chat = False if raw else (True if chat else None)
     cancel = CancelToken()

@@ -27,6 +27,7 @@ from ..common import (
     DrafterOpt,
     DtypeChoice,
     DtypeOpt,
+    LookupOpt,
     ModelOpt,
     OfflineOpt,
     QuantizeOpt,
@@ -188,6 +189,7 @@ def serve(
     block_size: BlockSizeOpt = None,
     verify_length: VerifyOpt = None,
     tree_budget: TreeBudgetOpt = None,
+    lookup: LookupOpt = None,
     decoder: DecoderOpt = DecoderChoice.dflash,
     draft_tokens: Annotated[
         int | None,
@@ -243,7 +245,11 @@ def serve(
     if max_queue < 0:
         raise ConfigError(f"--max-queue must be >= 0, got {max_queue}")
     opts = DecodeOptions(
-        decoder=decoder.value, block_size=block_size, verify_length=verify_length, tree_budget=tree_budget
+        decoder=decoder.value,
+        block_size=block_size,
+        verify_length=verify_length,
+        tree_budget=tree_budget,
+        lookup=lookup,
     )
     api_key = os.environ.get("DFLASH_API_KEY", "").strip() or None
     session = session_options(model, target, drafter, device, dtype, offline, revision, quantize, threads)

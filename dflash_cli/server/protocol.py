@@ -3,7 +3,8 @@ builders, OpenAI-style errors.
 
 Extensions (ignored by OpenAI clients):
   request  ``top_k``, ``ignore_eos``, ``stop_token_ids`` (as in vLLM/SGLang) and
-           ``dflash: {"decoder": "dflash"|"ar", "block_size": n, "verify_length": k, "tree_budget": B}``.
+           ``dflash: {"decoder": "dflash"|"ar", "block_size": n, "verify_length": k, "tree_budget": B,
+           "lookup": L}``.
   response ``dflash: {"stats": GenerationStats, "queue": {...}}``; every streamed chunk carries the
            runtime event it came from in ``dflash`` (``event_to_json`` of ``dflash run --json``,
            plus ``draft_text``), so clients can colour tokens by origin.
@@ -140,6 +141,7 @@ class Message(_Schema):
 
 
 MAX_TREE_BUDGET = 128  # largest per-request dflash.tree_budget (README "Serving")
+MAX_LOOKUP = 64  # largest per-request dflash.lookup (copied tokens also join the verify forward)
 
 
 class DFlashOptions(BaseModel):
@@ -151,6 +153,7 @@ class DFlashOptions(BaseModel):
     verify_length: Annotated[int, Field(ge=0)] | None = None
     # a tree of B nodes is verified in one forward: capped so that one request cannot make a huge step
     tree_budget: Annotated[int, Field(ge=0, le=MAX_TREE_BUDGET)] | None = None
+    lookup: Annotated[int, Field(ge=0, le=MAX_LOOKUP)] | None = None
 
 
 class StreamOptions(_Schema):

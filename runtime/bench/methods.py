@@ -110,6 +110,8 @@ class PromptRun:
         drafts_known: the method reports its drafts (DFlash); else ``drafted``/``accepted`` are None.
         verify_length: drafts verified per step, as the runtime chose it (DFlash only).
         tree_budget: drafted nodes per tree verify, as the runtime last chose it (0: chain; DFlash only).
+        lookup: context tokens copied per step at most (0: off; DFlash only).
+        copied: accepted tokens that only the context lookup proposed (DFlash).
         peak_memory: bytes (see ``PeakMemory``).
         generated: tokens generated when their ids are unknown (a server that streams text
             only; ``tokens`` is then empty). None: ``len(tokens)``.
@@ -124,6 +126,8 @@ class PromptRun:
     peak_memory: int | None = None
     generated: int | None = None
     tree_budget: int | None = None
+    lookup: int | None = None
+    copied: int = 0
 
     @property
     def steps(self) -> int:
@@ -189,11 +193,14 @@ def count_events(events: Sequence[Any], seconds: float, ttft: float, block: int,
     """
     tokens: list[int] = []
     counter = AcceptanceCounter(slots=max(block - 1, 0))
-    verify_length = tree_budget = None
+    verify_length = tree_budget = lookup = None
+    copied = 0
     for ev in events:
         if isinstance(ev, Finished):
             verify_length = ev.stats.verify_length
             tree_budget = getattr(ev.stats, "tree_budget", 0)
+            lookup = getattr(ev.stats, "lookup", 0)
+            copied = getattr(ev.stats, "copied_tokens", 0)
             continue
         tokens.extend(t.token_id for t in ev.tokens)
         if isinstance(ev, BlockVerified):
@@ -209,6 +216,8 @@ def count_events(events: Sequence[Any], seconds: float, ttft: float, block: int,
         verify_length=verify_length if is_dflash else None,
         peak_memory=peak,
         tree_budget=tree_budget if is_dflash else None,
+        lookup=lookup if is_dflash else None,
+        copied=copied if is_dflash else 0,
     )
 
 

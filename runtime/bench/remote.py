@@ -70,8 +70,13 @@ def remote_specs(config: BenchConfig, flavour: str) -> list[MethodSpec]:
     refuse_local_methods(config)
     if flavour == "dflash":
         return config.specs()
-    per_request = config.block_sizes or config.verify_length is not None or config.tree_budgets
-    if per_request or config.tree_budget is not None or set(config.methods) - {"ar", "dflash"}:
+    per_request = config.block_sizes or config.verify_length is not None or config.tree_budgets or config.lookups
+    if (
+        per_request
+        or config.tree_budget is not None
+        or config.lookup is not None
+        or set(config.methods) - {"ar", "dflash"}
+    ):
         raise ConfigError(
             f"a {flavour} server fixes its decoding when it starts, so --block-size/--verify-length/--methods "
             "cannot be chosen per request; bench it as it runs (and bench a server started without speculative "
@@ -216,7 +221,10 @@ def run_bench_remote(
             opts = DecodeOptions(decoder="ar")
         else:
             opts = DecodeOptions(
-                block_size=spec.block_size, verify_length=config.verify_length, tree_budget=spec.tree_budget
+                block_size=spec.block_size,
+                verify_length=config.verify_length,
+                tree_budget=spec.tree_budget,
+                lookup=spec.lookup,
             )
         r = run_remote(backend, prompt, config.mode, p, opts)
         prompt_tokens.setdefault(index[id(prompt)], r.prompt_tokens)

@@ -33,7 +33,7 @@ from runtime.bench.datasets import Prompt, PromptMode, PromptSet
 from runtime.bench.env import environment
 from runtime.bench.methods import Assistant, PeakMemory, PromptRun, load_assistant, run_decoder, run_generate
 from runtime.bench.pitfalls import BenchWarning, drafter_dtype, drafter_training, drafter_training_length, find_pitfalls
-from runtime.config import DecodeOptions, SamplingParams
+from runtime.config import MAX_LOOKUP, DecodeOptions, SamplingParams
 from runtime.engine.acceptance import AcceptanceCounts
 from runtime.errors import ConfigError, InputError
 
@@ -78,6 +78,9 @@ class BenchConfig:
         tree_budgets: tree budgets to sweep for DFlash (0: the chain, None: the runtime's choice);
             empty: one row with ``tree_budget``.
         tree_budget: tree budget of the DFlash rows when not sweeping (None: the runtime's choice).
+        lookups: context-lookup lengths to sweep for DFlash (0: off, None: the runtime's default);
+            empty: one row with ``lookup``.
+        lookup: context-lookup length of the DFlash rows when not sweeping (None: the default).
         max_new_tokens: tokens generated per prompt.
         temperature: 0 for greedy (tokens are then checked against ``ar``).
         seed: sampling seed.
@@ -94,6 +97,8 @@ class BenchConfig:
     verify_length: int | None = None
     tree_budgets: tuple[int | None, ...] = ()
     tree_budget: int | None = None
+    lookups: tuple[int | None, ...] = ()
+    lookup: int | None = None
     max_new_tokens: int = 128
     temperature: float = 0.0
     seed: int = 0
@@ -122,6 +127,10 @@ class BenchConfig:
             raise ConfigError(f"tree budgets must be >= 0 (0 = chain), got {min(budgets)}")
         if self.tree_budgets and "dflash" not in self.methods:
             raise ConfigError("--tree-budgets sweeps DFlash tree budgets; add dflash to --methods")
+        if self.lookups and "dflash" not in self.methods:
+            raise ConfigError("--lookups sweeps DFlash's context lookup; add dflash to --methods")
+        if any(n is not None and not 0 <= n <= MAX_LOOKUP for n in (*self.lookups, self.lookup)):
+            raise ConfigError(f"lookup lengths must be in [0, {MAX_LOOKUP}] (0 = off)")
         if self.max_new_tokens < 1:
             raise ConfigError(f"--max-tokens must be >= 1, got {self.max_new_tokens}")
         if self.temperature < 0:
@@ -144,17 +153,21 @@ class BenchConfig:
         for m in METHODS[1:]:
             if m not in self.methods:
                 continue
-            if m == "dflash" and (self.block_sizes or self.tree_budgets):
+            if m == "dflash" and (self.block_sizes or self.tree_budgets or self.lookups):
                 blocks: tuple[int | None, ...] = tuple(dict.fromkeys(self.block_sizes)) or (None,)
                 trees = tuple(dict.fromkeys(self.tree_budgets)) or (self.tree_budget,)
+                looks = tuple(dict.fromkeys(self.lookups)) or (self.lookup,)
                 for b in blocks:
                     for t in trees:
-                        name = "dflash" + (f"-b{b}" if b else "")
-                        if self.tree_budgets:
-                            name += "-chain" if t == 0 else ("-tree-auto" if t is None else f"-tree{t}")
-                        out.append(MethodSpec(name, "dflash", b, t))
+                        for n in looks:
+                            name = "dflash" + (f"-b{b}" if b else "")
+                            if self.tree_budgets:
+                                name += "-chain" if t == 0 else ("-tree-auto" if t is None else f"-tree{t}")
+                            if self.lookups:
+                                name += "-lookup-auto" if n is None else f"-lookup{n}"
+                            out.append(MethodSpec(name, "dflash", b, t, n))
             elif m == "dflash":
-                out.append(MethodSpec(m, m, None, self.tree_budget))
+                out.append(MethodSpec(m, m, None, self.tree_budget, self.lookup))
             else:
                 out.append(MethodSpec(m, m))
         return out
@@ -162,13 +175,15 @@ class BenchConfig:
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """One row of the bench: a method, and for DFlash a block size (None: the drafter's own) and a
-    tree budget (0: chain, None: the runtime's choice)."""
+    """One row of the bench: a method, and for DFlash a block size (None: the drafter's own), a
+    tree budget (0: chain, None: the runtime's choice) and a context-lookup length (0: off, None:
+    the default)."""
 
     name: str
     method: str
     block_size: int | None = None
     tree_budget: int | None = None
+    lookup: int | None = None
 
 
 @dataclass(frozen=True)
@@ -204,6 +219,7 @@ class MethodResult:
         block_size: DFlash block size used (None for the others).
         verify_lengths: DFlash verify length the runtime used, per prompt.
         tree_budgets: DFlash tree budget the runtime used, per prompt (0: chain).
+        lookups: DFlash context-lookup length, per prompt (0: off).
         runs: per-prompt measurements, in prompt order.
         tok_s_median, tok_s_mean, tok_s_stdev, tok_s_min, tok_s_max: tokens per second over prompts.
         ttft_median: median time to first token (s).
@@ -242,16 +258,21 @@ class MethodResult:
     agreement: int | None
     first_divergence: Divergence | None
     tree_budgets: tuple[int, ...] = ()
+    lookups: tuple[int, ...] = ()
 
     @property
     def label(self) -> str:
-        """Display name, e.g. ``dflash b8 (verify 3)`` or ``dflash b8 tree16``."""
+        """Display name, e.g. ``dflash b8 (verify 3)``, ``dflash b8 tree16`` or ``dflash b8 tree8 lookup16``."""
         if self.method != "dflash":
             return self.name
         text = f"dflash b{self.block_size}" if self.block_size else "dflash"
         tb = sorted(set(self.tree_budgets))
         if tb and tb[-1] > 0:
-            return text + (f" tree{tb[0]}" if len(tb) == 1 else f" tree{tb[0]}-{tb[-1]}")
+            text += f" tree{tb[0]}" if len(tb) == 1 else f" tree{tb[0]}-{tb[-1]}"
+            lk = sorted(set(self.lookups))
+            if lk and lk[-1] > 0:
+                text += f" lookup{lk[0]}" if len(lk) == 1 else f" lookup{lk[0]}-{lk[-1]}"
+            return text
         vl = sorted(set(self.verify_lengths))
         if vl:
             text += f" (verify {vl[0]})" if len(vl) == 1 else f" (verify {vl[0]}-{vl[-1]})"
@@ -273,6 +294,8 @@ class MethodResult:
                 "accepted": r.accepted,
                 "verify_length": r.verify_length,
                 "tree_budget": r.tree_budget,
+                "lookup": r.lookup,
+                "copied": r.copied,
                 "peak_memory_bytes": r.peak_memory,
             }
             if with_tokens:  # null: the server streamed text without token ids
@@ -349,6 +372,7 @@ class BenchResult:
         cfg["methods"] = list(self.config.methods)
         cfg["block_sizes"] = list(self.config.block_sizes)
         cfg["tree_budgets"] = list(self.config.tree_budgets)
+        cfg["lookups"] = list(self.config.lookups)
         return {
             "schema": SCHEMA,
             "run_id": run_id,
@@ -465,6 +489,7 @@ def summarise(
         block_size=block_size,
         verify_lengths=tuple(r.verify_length for r in runs if r.verify_length is not None),
         tree_budgets=tuple(r.tree_budget for r in runs if r.tree_budget is not None),
+        lookups=tuple(r.lookup for r in runs if r.lookup is not None),
         runs=tuple(runs),
         tok_s_median=_median(tps),
         tok_s_mean=float(statistics.fmean(tps)) if tps else 0.0,
@@ -591,7 +616,10 @@ def run_bench(
                 DecodeOptions(decoder="ar")
                 if spec.method == "ar"
                 else DecodeOptions(
-                    block_size=spec.block_size, verify_length=config.verify_length, tree_budget=spec.tree_budget
+                    block_size=spec.block_size,
+                    verify_length=config.verify_length,
+                    tree_budget=spec.tree_budget,
+                    lookup=spec.lookup,
                 )
             )
             return run_decoder(pipe, opts, ids, p, mem)

@@ -430,6 +430,8 @@ class RemoteBackend:
             }
             if opts.tree_budget is not None:
                 body["dflash"]["tree_budget"] = opts.tree_budget
+            if opts.lookup is not None:
+                body["dflash"]["lookup"] = opts.lookup
         if flavour in ("vllm", "sglang") and chat:
             body["chat_template_kwargs"] = {"enable_thinking": False}  # DFlash drafters were trained without
         if flavour == "sglang":

@@ -50,9 +50,13 @@ class Decoder(Protocol):
 class StatsRecorder:
     """Accumulates per-step acceptance (``AcceptanceCounter``) and timings into ``GenerationStats``."""
 
-    def __init__(self, prompt_tokens: int, block_size: int, decoder: str, tree_budget: int = 0) -> None:
+    def __init__(
+        self, prompt_tokens: int, block_size: int, decoder: str, tree_budget: int = 0, lookup: int = 0
+    ) -> None:
         self.t0 = time.perf_counter()
         self.tree_budget = tree_budget
+        self.lookup = lookup
+        self.copied = 0
         self.prompt_tokens = prompt_tokens
         self.block_size = block_size
         self.decoder = decoder
@@ -91,4 +95,6 @@ class StatsRecorder:
             verify_length=self.verify_length,
             decoder=self.decoder,
             tree_budget=self.tree_budget,
+            lookup=self.lookup,
+            copied_tokens=self.copied,
         )

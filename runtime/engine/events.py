@@ -160,6 +160,9 @@ class GenerationStats:
         tree_budget: drafted nodes per verify with tree verification (0: chain). With a tree,
             ``drafted_tokens`` counts tree nodes and the per-position statistics and histogram
             count accepted depth.
+        lookup: most context tokens copied per step into the tree (0: lookup off).
+        copied_tokens: accepted tokens that only the context lookup proposed (the drafter's tree
+            did not hold them); included in ``accepted_tokens``.
     """
 
     prompt_tokens: int
@@ -173,6 +176,8 @@ class GenerationStats:
     verify_length: int
     decoder: str
     tree_budget: int = 0
+    lookup: int = 0
+    copied_tokens: int = 0
 
     @property
     def verify_steps(self) -> int:
@@ -230,6 +235,8 @@ class GenerationStats:
             "block_size": self.block_size,
             "verify_length": self.verify_length,
             "tree_budget": self.tree_budget,
+            "lookup": self.lookup,
+            "copied_tokens": self.copied_tokens,
             "decoder": self.decoder,
             "acceptance": self.acceptance.to_json(),
         }
@@ -259,6 +266,8 @@ class GenerationStats:
             verify_length=int(d.get("verify_length") or 0),
             decoder=str(d.get("decoder") or "dflash"),
             tree_budget=int(d.get("tree_budget") or 0),
+            lookup=int(d.get("lookup") or 0),
+            copied_tokens=int(d.get("copied_tokens") or 0),
         )
 
 

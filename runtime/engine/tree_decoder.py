@@ -31,6 +31,7 @@ from runtime.engine.events import (
     TokenStatus,
 )
 from runtime.engine.kv_cache import DraftKVCache
+from runtime.engine.lookup import LookupLength, NgramIndex, chain_is_path, merge_chain
 from runtime.engine.sampling import sample
 from runtime.engine.target import TargetModel
 from runtime.engine.tree import (
@@ -65,6 +66,10 @@ class TreeDecoder(DFlashDecoder):
         tree_budget: drafted nodes per verify (B >= 1; the verify forward holds B + 1 tokens), or a
             policy choosing B per step (``AdaptiveTreeBudget``; B = 0 then means a chain step).
         stop_token_ids: ids that end the generation.
+        lookup: most tokens copied per step from the context (``runtime.engine.lookup``): when the
+            last committed tokens occurred earlier in the prompt or answer, what followed them
+            there joins the tree as one more branch. 0 turns it off.
+        lookup_ngram: (shortest, longest) suffix matched by the lookup.
     """
 
     name = "dflash"
@@ -78,7 +83,11 @@ class TreeDecoder(DFlashDecoder):
         block_size: int | None = None,
         tree_budget: int | TreeBudgetPolicy = 8,
         stop_token_ids: Sequence[int] = (),
+        lookup: int = 0,
+        lookup_ngram: tuple[int, int] = (2, 4),
     ) -> None:
+        if lookup < 0:
+            raise ConfigError(f"lookup length must be >= 0 (0 = off), got {lookup}")
         if isinstance(tree_budget, int):
             if tree_budget < 1:
                 raise ConfigError(f"tree budget must be >= 1 (0 means the chain decoder), got {tree_budget}")
@@ -95,6 +104,8 @@ class TreeDecoder(DFlashDecoder):
         if self.block_size < 2:
             raise ConfigError("tree verification needs a block size >= 2")
         self.policy: TreeBudgetPolicy = tree_budget
+        self.lookup = lookup
+        self.lookup_ngram = lookup_ngram
 
     @property
     def tree_budget(self) -> int:
@@ -139,10 +150,12 @@ class TreeDecoder(DFlashDecoder):
         target, device = self.target, self.target.device
         n_prompt = len(prompt)
         gen, asm, max_new, limit, commit = self._begin(prompt, params)
-        rec = StatsRecorder(n_prompt, self.block_size, "dflash", tree_budget=self.policy.budget())
+        rec = StatsRecorder(n_prompt, self.block_size, "dflash", tree_budget=self.policy.budget(), lookup=self.lookup)
 
         # 1. Prefill: target on the prompt, capture features of every position, first token.
-        room = n_prompt + max_new + max(self.block_size, self.policy.budget(), 64) + 2  # slots a request can reach
+        room = (
+            n_prompt + max_new + max(self.block_size, self.policy.budget(), 64) + self.lookup + 2
+        )  # slots a request can reach
         t_cache, first_t, feats = self._prefill(prompt, params, gen, room)
         first = int(first_t.item())
         _sync(device)
@@ -154,6 +167,10 @@ class TreeDecoder(DFlashDecoder):
         assert self.drafter is not None
         d_cache = DraftKVCache(len(self.drafter.layers), capacity=room)
         committed = list(prompt) + [first]
+        index = NgramIndex(*self.lookup_ngram) if self.lookup else None
+        copy_len = LookupLength(self.lookup, min(2, self.lookup)) if self.lookup else None
+        if index is not None:
+            index.extend(committed)
         pending = feats  # [1, C, n*D] target features not yet in the drafter cache
         start, anchor = n_prompt, first
         while reason is None:
@@ -183,10 +200,21 @@ class TreeDecoder(DFlashDecoder):
                     tree = chain_tree(anchor, [row[0] for row in toks], toks)
                 pending = pending[:, :0] if pending is not None else None
 
+            # 2b. Lookup: what followed the context's latest earlier occurrence of its last tokens.
+            chain_nodes: list[int] = []
+            drafted_nodes = len(tree)
+            if index is not None and copy_len is not None:
+                room_left = (
+                    max_new - rec.generated - 1 if limit is None else min(max_new - rec.generated, limit - start) - 1
+                )
+                _, guess = index.match(min(copy_len.length, room_left))
+                if guess:
+                    tree, chain_nodes = merge_chain(tree, guess, self.lookup)
+
             # 3. Verify: one target forward over the tree, ancestor-only mask, positions start + depth.
             n = len(tree)
             tree_ids = torch.tensor([tree.tokens], dtype=torch.long, device=device)  # [1, N]
-            if budget > 0 and n > 1:
+            if n > 1 and not chain_is_path(tree):
                 positions = torch.tensor(tree.depths, dtype=torch.long, device=device) + start  # [N]
                 mask = ancestor_mask(tree.parents, device)  # [N, N]
                 logits, feats = target.forward(tree_ids, t_cache, positions=positions, tree_mask=mask)
@@ -210,6 +238,11 @@ class TreeDecoder(DFlashDecoder):
                 pending = torch.cat([pending, path_feats], dim=1) if pending is not None else path_feats
             anchor = bonus
             committed.extend(new_ids)
+            if index is not None and copy_len is not None:
+                index.extend(new_ids)
+                on_path = set(path)
+                copy_len.observe(len(chain_nodes), sum(1 for i in chain_nodes if i in on_path))
+                rec.copied += sum(1 for i in path if i >= drafted_nodes)
             self.policy.observe(choice_ranks(tree, path, choices))
             rec.tree_budget = budget
             rec.step(drafted=n - 1, accepted=a, committed=len(events), planned=planned, depth=tree.max_depth)
