@@ -8,6 +8,7 @@ errors shown without killing the app, sessions stored and reopened.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -423,6 +424,28 @@ def test_stats_bar_follows_every_block_then_the_final_stats():
             session = app.stats_bar.session_line().plain
             assert f"{2 * s.generated_tokens} tok " in session and "2 answers" in session
             assert f"τ {s.tau:.2f}" in session
+
+    run(body())
+
+
+def test_tokens_copied_by_the_context_lookup_are_counted_once_finished():
+    events = scripted_events()
+    final = events[-1]
+    assert isinstance(final, Finished)
+    events[-1] = Finished(final.reason, dataclasses.replace(final.stats, lookup=16, copied_tokens=3))
+    backend = FakeBackend(ReplayDecoder(events), ReplayDecoder(scripted_events()))
+
+    async def body():
+        app = app_for(backend)
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(pilot)
+            await send(pilot, "go")
+            line = app.stats_bar.current_line().plain
+            assert "3 copied" in line and line.endswith(final.reason)
+            assert "· 3 copied ·" in app.summary(app.tracker)
+            await send(pilot, "again")  # without lookup: nothing said
+            assert "copied" not in app.stats_bar.current_line().plain
+            assert "copied" not in app.summary(app.tracker)
 
     run(body())
 

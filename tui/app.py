@@ -337,6 +337,8 @@ class ChatApp(App[None]):
         )
         if tracker.drafted:
             line += f" · τ {tracker.tau:.2f} · accept {tracker.acceptance_rate * 100:.0f}%"
+        if tracker.copied:
+            line += f" · {tracker.copied} copied"
         return line + f" · {tracker.reason}"
 
     def on_chat_app_generation_failed(self, message: GenerationFailed) -> None:

@@ -111,6 +111,11 @@ class GenerationTracker:
         return self.final.ttft_seconds if self.final is not None else self.ttft
 
     @property
+    def copied(self) -> int:
+        """Accepted tokens that only the context lookup proposed (known once finished; 0 without it)."""
+        return int(getattr(self.final, "copied_tokens", 0) or 0)
+
+    @property
     def tau_known(self) -> bool:
         """True when there are verify steps to count (a server without statistics reports none)."""
         return self.counts.steps > 0

@@ -410,7 +410,7 @@ class StatsBar(Widget):
                 ("last", self.get_visual_style("stats--label", partial=True)), "    no generation yet"
             )
         label = "now" if self.running else "last"
-        tail = "" if self.running else f"{g.reason}"
+        tail = "" if self.running else (f"{g.copied} copied  " if g.copied else "") + f"{g.reason}"
         return self._line(
             label,
             g.generated_tokens,
