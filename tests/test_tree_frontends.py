@@ -314,3 +314,20 @@ def test_recorded_rank_coverage_is_the_prior():
     cov = pol.coverage()
     assert len(cov) == 3 and cov[0][:3] == pytest.approx([0.2, 0.6, 0.1]) and cov[2][1] == pytest.approx(0.6)
     assert pol.budget() > 0  # the argmax is usually wrong but rank 1 is right: a tree pays
+
+
+def test_drafter_evaluation_measures_the_drafter_without_context_lookup(pipe):
+    from runtime.train.evaluate import IdPrompt, evaluate
+
+    ids = tuple(pipe.encode("x = 1\nx = 1\nx = 1\n", chat=False))
+    saved = pipe.costs
+    pipe.costs = VerifyCosts(tuple(1.0 + 0.01 * n for n in range(65)), 0.05, 0.01)  # trees look cheap
+    try:
+        result = evaluate(pipe, [IdPrompt(ids=ids, chat=False, source="repeat")], max_new_tokens=12, full_block=False)
+        # while a user's run (the same automatic choice) looks up by default
+        stats = list(pipe.stream(list(ids), SamplingParams(max_new_tokens=12)))[-1].stats
+    finally:
+        pipe.costs = saved
+    auto = result.prompts[0].auto
+    assert auto.lookup == 0 and auto.copied_tokens == 0 and result.prompts[0].same_output
+    assert stats.lookup == 16  # the tree decoder ran

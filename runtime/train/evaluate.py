@@ -163,7 +163,8 @@ def evaluate(
         progress: callback for one line per prompt.
     """
     params = SamplingParams(max_new_tokens=max_new_tokens)
-    ar_opts, auto_opts = DecodeOptions(decoder="ar"), DecodeOptions()
+    # the drafter's own acceptance: no context lookup (its copies would count as the drafter's)
+    ar_opts, auto_opts = DecodeOptions(decoder="ar"), DecodeOptions(lookup=0)
     full_opts = DecodeOptions(verify_length=pipeline.block_size - 1)
     vocab = getattr(getattr(pipeline, "drafter", None), "draft_vocab_ids", None)
     in_vocab = set(vocab.tolist()) if vocab is not None else None
