@@ -114,10 +114,13 @@ def dflash_rows(args: argparse.Namespace, prompt_texts: list[str]) -> list[dict[
         short = {"bfloat16": "bf16", "float32": "fp32"}.get(dtype_name(pipe.dtype), dtype_name(pipe.dtype))
         label = short if quant == "none" else f"{quant} ({short} act.)"
         outputs: dict[str, list[list[int]]] = {}
-        fixed = [f"dflash@{k}" for k in args.verify_lengths]
+        fixed = [f"dflash@{k}" for k in args.verify_lengths] + (["dflash@lookup0"] if args.lookup_off else [])
         for method in ("ar", "dflash", *fixed):
             name, _, k = method.partition("@")
-            dopts = DecodeOptions(decoder=name, verify_length=int(k) if k else None)
+            if k == "lookup0":  # the runtime's choice without the context lookup
+                dopts = DecodeOptions(decoder=name, lookup=0)
+            else:
+                dopts = DecodeOptions(decoder=name, verify_length=int(k) if k else None)
             speeds, taus, verify, steps, committed = [], [], 0, 0, 0.0
             outs = []
             for i, p in enumerate([ids[0], *ids]):
@@ -168,6 +171,9 @@ def main() -> None:
         type=lambda v: [int(x) for x in v.split(",") if x.strip()],
         default=[],
         help="also DFlash rows with these fixed verify lengths (e.g. 1,2,3), beside the runtime's choice",
+    )
+    ap.add_argument(
+        "--lookup-off", action="store_true", help="also a DFlash row without the context lookup (dflash@lookup0)"
     )
     ap.add_argument("--with-hf", action="store_true", help="also transformers' forward on bf16 (the step before)")
     ap.add_argument("--target")
