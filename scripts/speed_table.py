@@ -9,7 +9,7 @@ Rows (each: one warm-up prompt, then every prompt of the set; decode tok/s exclu
   precision in ``--quantize`` (``none`` = float weights in each of ``--float-dtypes``, ``int8``,
   ``int4`` with the machine's default activation dtype), with the lean target forward; ``--with-hf`` adds transformers' own forward (the step before the lean engine).
 
-The verify length is measured for this machine at the start of each dflash pair (as ``dflash run``
+The verify costs (chains and tree-sized verifies) are measured for this machine at the start of each dflash pair (as ``dflash run``
 does on first use). Prints a Markdown table of medians; ``--out FILE`` keeps every number as JSON.
 
 Example (see README "Speed"):
@@ -85,7 +85,7 @@ def dflash_rows(args: argparse.Namespace, prompt_texts: list[str]) -> list[dict[
     import torch
 
     from runtime import DecodeOptions, LoadOptions, ModelRef, RuntimeConfig, SamplingParams, load_pipeline
-    from runtime.engine.calibrate import cached_costs
+    from runtime.engine.calibrate import TREE_VERIFY_TOKENS, cached_costs
     from runtime.engine.events import Finished
     from runtime.engine.target import TargetModel
 
@@ -109,7 +109,8 @@ def dflash_rows(args: argparse.Namespace, prompt_texts: list[str]) -> list[dict[
         if engine == "hf":
             assert type(pipe.target) is TargetModel
         with tempfile.TemporaryDirectory() as tmp:
-            pipe.costs = cached_costs(pipe, Path(tmp) / "calibration.json")  # measured now, on this machine
+            # measured now, on this machine, up to tree sizes as `dflash run` does (else only chains are chosen)
+            pipe.costs = cached_costs(pipe, Path(tmp) / "calibration.json", max_tokens=TREE_VERIFY_TOKENS)
         ids = [pipe.encode(t) for t in prompt_texts]
         short = {"bfloat16": "bf16", "float32": "fp32"}.get(dtype_name(pipe.dtype), dtype_name(pipe.dtype))
         label = short if quant == "none" else f"{quant} ({short} act.)"
