@@ -3,6 +3,7 @@ length, and tree decoding with lookup == plain greedy (and faster where the outp
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 
 from runtime.config import DecodeOptions, SamplingParams
 from runtime.engine import AutoregressiveDecoder
-from runtime.engine.events import BlockVerified
+from runtime.engine.events import BlockVerified, event_from_json, event_to_json
 from runtime.engine.lookup import LookupLength, NgramIndex, chain_is_path, merge_chain
 from runtime.engine.target import TargetModel
 from runtime.engine.tree import DraftTree, ancestor_mask, build_tree, chain_tree
@@ -146,6 +147,13 @@ def test_lookup_output_equals_plain_greedy_and_raises_tau_on_repeats(arch, seed,
     # copied nodes go deeper than the drafter's block; events still name every node and the path
     deep = [e for e in on if isinstance(e, BlockVerified) and e.accepted > 3]
     assert deep
+    # each block says how many nodes at the end of its draft were copied; the accepted ones add up
+    blocks = [e for e in on if isinstance(e, BlockVerified)]
+    copied = sum(sum(1 for i in e.path if i >= len(e.draft) - e.copied) for e in blocks if e.copied)
+    assert copied == on[-1].stats.copied_tokens > 0
+    assert all(e.copied == 0 for e in off if isinstance(e, BlockVerified))
+    for e in blocks:
+        assert event_from_json(json.loads(json.dumps(event_to_json(e)))) == e
     for e in on:
         if isinstance(e, BlockVerified) and e.draft:
             assert len(e.parents) == len(e.draft) and all(-1 <= q < i for i, q in enumerate(e.parents))

@@ -82,6 +82,8 @@ class BlockVerified:
             committed token). ``draft`` then lists the tree's nodes best-first, parents first.
         path: for a tree, the accepted nodes (indices into ``draft``) from the anchor down;
             ``accepted == len(path)``. Empty for a chain (the accepted drafts lead ``draft``).
+        copied: for a tree, how many nodes at the end of ``draft`` the context lookup added
+            (copied from the prompt or answer; the drafter did not propose them).
     """
 
     draft: tuple[int, ...]
@@ -91,6 +93,7 @@ class BlockVerified:
     seconds: float
     parents: tuple[int, ...] = ()
     path: tuple[int, ...] = ()
+    copied: int = 0
 
     type: Literal["block"] = field(default="block", init=False)
 
@@ -296,7 +299,8 @@ def event_to_json(event: DecodeEvent) -> dict[str, Any]:
 
     Lines have ``"type"`` in {"prefill", "block", "done"}; prefill and block carry ``"tokens"``
     as ``{"id", "text", "status"}``; block also carries ``"draft"``, ``"draft_text"``,
-    ``"accepted"`` and ``"rejected_text"`` (and, for a draft tree, ``"parents"`` and ``"path"``); done
+    ``"accepted"`` and ``"rejected_text"`` (and, for a draft tree, ``"parents"``, ``"path"`` and,
+    when the context lookup added nodes, ``"copied"``: how many at the end of ``"draft"``); done
     carries ``"reason"`` and ``"stats"``.
     """
     if isinstance(event, PrefillDone):
@@ -320,6 +324,8 @@ def event_to_json(event: DecodeEvent) -> dict[str, Any]:
             out["parents"] = list(event.parents)
             out["path"] = list(event.path)
             out["draft_text"] = list(event.draft_text)
+            if event.copied:
+                out["copied"] = event.copied
         return out
     return {"type": "done", "reason": event.reason, "stats": event.stats.to_json()}
 
@@ -350,6 +356,7 @@ def event_from_json(d: Mapping[str, Any]) -> DecodeEvent:
             tokens=tokens,
             seconds=float(d.get("seconds", 0.0)),
             parents=tuple(int(i) for i in d.get("parents", [])),  # a draft tree (empty for a chain)
+            copied=int(d.get("copied") or 0),
             path=tuple(int(i) for i in d.get("path", [])),
         )
     if kind == "done":

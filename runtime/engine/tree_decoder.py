@@ -256,5 +256,6 @@ class TreeDecoder(DFlashDecoder):
                 seconds=time.perf_counter() - t_step,
                 parents=tuple(p - 1 for p in tree.parents[1:]),
                 path=tuple(i - 1 for i in path[1:]),
+                copied=n - drafted_nodes,
             )
         yield Finished(reason=reason, stats=rec.finish())
