@@ -281,6 +281,60 @@ def test_tui_shows_losing_branches_as_ghost_text():
     run(body())
 
 
+def test_tui_colours_tokens_the_context_lookup_copied():
+    from tests.test_tui import SIZE, app_for, ready, run, send, transcript_text
+    from tests.tui_fakes import FakeBackend, ReplayDecoder
+    from tui.widgets import Legend, TokenChunk
+
+    tok = lambda i, s, st: TokenEvent(i, s, st)  # noqa: E731
+    first = PrefillDone(3, 0.01, (tok(1, "x = ", TokenStatus.TARGET),))
+    # drafter nodes 0 'fo', 1 'o'; the lookup appended 2 'ba' (root child) and 3 'r' under it;
+    # the target took 'ba', 'r' (both copied), then 'z' of its own
+    step = BlockVerified(
+        draft=(10, 11, 12, 13),
+        draft_text=("fo", "o", "ba", "r"),
+        accepted=2,
+        tokens=(
+            tok(12, "ba", TokenStatus.ACCEPTED),
+            tok(13, "r", TokenStatus.ACCEPTED),
+            tok(14, "z", TokenStatus.TARGET),
+        ),
+        seconds=0.01,
+        parents=(-1, 0, -1, 2),
+        path=(2, 3),
+        copied=2,
+    )
+    # a drafted node accepted, the copied branch lost
+    drafted = BlockVerified(
+        draft=(20, 21, 22),
+        draft_text=("qu", "x", "!"),
+        accepted=1,
+        tokens=(tok(20, "qu", TokenStatus.ACCEPTED), tok(15, "?", TokenStatus.TARGET)),
+        seconds=0.01,
+        parents=(-1, 0, -1),
+        path=(0,),
+        copied=1,
+    )
+    counter = AcceptanceCounter(slots=2)
+    counter.record(4, 2, depth=2)
+    counter.record(3, 1, depth=2)
+    stats = make_stats(generated_tokens=6, acceptance=counter.counts(), tree_budget=2, lookup=16, copied_tokens=2)
+
+    async def body():
+        app = app_for(FakeBackend(ReplayDecoder([first, step, drafted, Finished("length", stats)])), view="origin")
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(pilot)
+            await send(pilot, "go")
+            parts = [p for c in app.query(TokenChunk) for p in c.parts]
+            assert [t for t, k in parts if k == "copied"] == ["bar"]
+            assert [t for t, k in parts if k == "accepted"] == ["qu"]
+            assert app.last_answer().text == "x = barzqu?"
+            assert "x = barz" in transcript_text(app)
+            assert "copied" in app.query_one(Legend).render().plain
+
+    run(body())
+
+
 def test_tui_stats_count_tree_depth_not_nodes():
     from tui.stats import GenerationTracker
 

@@ -42,6 +42,7 @@ COMMANDS: list[tuple[str, str]] = [
 ]
 LEGEND = (
     "Colours: accepted drafts (proposed by the drafter, verified by the target) in the success colour; "
+    "copied tokens (proposed by the context lookup from the prompt or answer, verified) in the warning colour; "
     "the target's own tokens (first token, the correction/bonus after each accepted prefix, every token "
     "of plain decoding) in the accent colour; rejected drafts as struck-through ghost text right after "
     "the accepted prefix.\n"

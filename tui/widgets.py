@@ -22,6 +22,7 @@ from runtime.engine.events import BlockVerified, PrefillDone, TokenEvent
 from .stats import GenerationTracker, SessionTotals, bars, histogram_bars
 
 ACCEPTED, TARGET, REJECTED, PLAIN = "accepted", "target", "rejected", "plain"  # plain: stored answers
+COPIED = "copied"  # accepted tokens the context lookup copied from the prompt or answer
 GHOST_NEWLINE = "↵"  # how a newline inside rejected drafts is shown
 GHOST_BRANCHES = 4  # losing branches of a draft tree shown as ghost text
 GHOST_BRANCH_SEP = "│"  # between two losing branches
@@ -31,7 +32,7 @@ CHUNK_LINES = 12  # a streaming answer is split into chunks of about this many l
 class OriginStyled(Widget):
     """Base of widgets that paint text by token origin (styles: ``.token--accepted`` etc.)."""
 
-    COMPONENT_CLASSES = {"token--accepted", "token--target", "token--rejected"}
+    COMPONENT_CLASSES = {"token--accepted", "token--copied", "token--target", "token--rejected"}
 
     def origin_style(self, kind: str) -> object:
         """The style of a token kind, from the stylesheet."""
@@ -70,7 +71,7 @@ class TokenChunk(OriginStyled):
 
     def render(self) -> Content:
         ghost = self.show_ghost()
-        styles = {k: self.origin_style(k) for k in (ACCEPTED, TARGET, REJECTED)}
+        styles = {k: self.origin_style(k) for k in (ACCEPTED, COPIED, TARGET, REJECTED)}
         styles[PLAIN] = ""
         return Content.assemble(*((t, styles[k]) for t, k in self.parts if ghost or k != REJECTED))  # type: ignore[arg-type]
 
@@ -86,6 +87,8 @@ class Legend(OriginStyled):
         ghost = "shown" if self.show_ghost() else "hidden"
         return Content.assemble(
             ("accepted draft", self.origin_style(ACCEPTED)),  # type: ignore[arg-type]
+            "  ",
+            ("copied", self.origin_style(COPIED)),  # type: ignore[arg-type]
             "  ",
             ("target token", self.origin_style(TARGET)),  # type: ignore[arg-type]
             "  ",
@@ -205,11 +208,13 @@ class AssistantTurn(Vertical):
         branches = event.losing_branches_text[:GHOST_BRANCHES]
         ghost = GHOST_BRANCH_SEP.join(branches).replace("\r\n", "\n").replace("\n", GHOST_NEWLINE)
         cut = min(event.accepted, len(event.tokens))
+        first_copied = len(event.draft) - event.copied  # nodes from here on came from the context lookup
+        copied = {i for i, node in enumerate(event.path) if event.copied and node >= first_copied}
         parts: list[tuple[str, str]] = []
         for i, t in enumerate(event.tokens):
             if i == cut:
                 parts.append((ghost, REJECTED))
-            parts.append((t.text, t.status.value))
+            parts.append((t.text, COPIED if i in copied and i < cut else t.status.value))
         if cut >= len(event.tokens):
             parts.append((ghost, REJECTED))
         self._text.extend(t.text for t in event.tokens)
