@@ -208,8 +208,7 @@ class AssistantTurn(Vertical):
         branches = event.losing_branches_text[:GHOST_BRANCHES]
         ghost = GHOST_BRANCH_SEP.join(branches).replace("\r\n", "\n").replace("\n", GHOST_NEWLINE)
         cut = min(event.accepted, len(event.tokens))
-        first_copied = len(event.draft) - event.copied  # nodes from here on came from the context lookup
-        copied = {i for i, node in enumerate(event.path) if event.copied and node >= first_copied}
+        copied = set(event.copied_path)  # accepted tokens the context lookup proposed
         parts: list[tuple[str, str]] = []
         for i, t in enumerate(event.tokens):
             if i == cut:

@@ -82,22 +82,14 @@ def _block_sizes(value: str | None) -> tuple[int, ...]:
         raise ConfigError(f"--block-size expects block sizes like 4,8,16, got {value!r}") from None
 
 
-def _tree_budgets(value: str | None) -> tuple[int | None, ...]:
+def _ints_or_auto(value: str | None, flag: str, example: str) -> tuple[int | None, ...]:
+    """A sweep like ``0,4,auto``: integers, ``auto`` (None: the runtime's choice)."""
     from runtime.errors import ConfigError
 
     try:
-        return tuple(None if p.lower() == "auto" else int(p) for p in _split(value, "--tree-budgets"))
+        return tuple(None if p.lower() == "auto" else int(p) for p in _split(value, flag))
     except ValueError:
-        raise ConfigError(f"--tree-budgets expects budgets like 0,4,8,16,auto, got {value!r}") from None
-
-
-def _lookups(value: str | None) -> tuple[int | None, ...]:
-    from runtime.errors import ConfigError
-
-    try:
-        return tuple(None if p.lower() == "auto" else int(p) for p in _split(value, "--lookups"))
-    except ValueError:
-        raise ConfigError(f"--lookups expects lengths like 0,8,16,auto, got {value!r}") from None
+        raise ConfigError(f"{flag} expects {example}, got {value!r}") from None
 
 
 def _err(text: str) -> None:
@@ -210,9 +202,9 @@ def bench(
         methods=wanted,
         block_sizes=sizes,
         verify_length=verify_length,
-        tree_budgets=_tree_budgets(tree_budgets),
+        tree_budgets=_ints_or_auto(tree_budgets, "--tree-budgets", "budgets like 0,4,8,16,auto"),
         tree_budget=tree_budget,
-        lookups=_lookups(lookups),
+        lookups=_ints_or_auto(lookups, "--lookups", "lengths like 0,8,16,auto"),
         lookup=lookup,
         max_new_tokens=max_tokens,
         temperature=temperature,

@@ -98,6 +98,12 @@ class BlockVerified:
     type: Literal["block"] = field(default="block", init=False)
 
     @property
+    def copied_path(self) -> tuple[int, ...]:
+        """Positions in ``path`` (so among the accepted tokens) whose node the context lookup copied."""
+        first = len(self.draft) - self.copied
+        return tuple(i for i, node in enumerate(self.path) if self.copied and node >= first)
+
+    @property
     def is_tree(self) -> bool:
         """True when the step verified a draft tree."""
         return bool(self.parents)

@@ -11,6 +11,7 @@ the same forward, so the output stays exactly the target's.
 ended; a query takes the longest suffix of the context that occurred before and returns what
 followed its latest occurrence. ``LookupLength`` adapts how many tokens to copy from what the
 target accepted: guesses cost verify nodes, so a run of rejected guesses shortens them.
+``ContextLookup`` is both for one generation, as the decoder uses them.
 """
 
 from __future__ import annotations
@@ -136,6 +137,37 @@ class LookupLength:
         else:
             target = accepted + 2
         self.length = max(self.shortest, min(self.longest, target))
+
+
+class ContextLookup:
+    """The context lookup of one generation: the n-gram index over its context and the copy length.
+
+    Args:
+        context: the prompt and the tokens committed so far.
+        longest: most tokens copied in one step (>= 1).
+        ngram: (shortest, longest) suffix matched.
+    """
+
+    def __init__(self, context: Iterable[int], longest: int, ngram: tuple[int, int] = (2, 4)) -> None:
+        self.index = NgramIndex(*ngram)
+        self.index.extend(context)
+        self.longest = longest
+        self.length = LookupLength(longest, min(2, longest))
+        self.nodes: list[int] = []  # the last guess's nodes in its tree
+
+    def add_to(self, tree: DraftTree, room: int) -> DraftTree:
+        """``tree`` with this step's guess (at most ``room`` tokens) merged in as a branch."""
+        _, guess = self.index.match(min(self.length.length, room))
+        self.nodes = []
+        if guess:
+            tree, self.nodes = merge_chain(tree, guess, self.longest)
+        return tree
+
+    def observe(self, path: Sequence[int], new_ids: Iterable[int]) -> None:
+        """The step's accepted node indices and its committed tokens: index them, adapt the length."""
+        self.index.extend(new_ids)
+        on_path = set(path)
+        self.length.observe(len(self.nodes), sum(1 for i in self.nodes if i in on_path))
 
 
 def chain_is_path(tree: DraftTree) -> bool:

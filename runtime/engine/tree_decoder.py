@@ -31,7 +31,7 @@ from runtime.engine.events import (
     TokenStatus,
 )
 from runtime.engine.kv_cache import DraftKVCache
-from runtime.engine.lookup import LookupLength, NgramIndex, chain_is_path, merge_chain
+from runtime.engine.lookup import ContextLookup, chain_is_path
 from runtime.engine.sampling import sample
 from runtime.engine.target import TargetModel
 from runtime.engine.tree import (
@@ -167,10 +167,7 @@ class TreeDecoder(DFlashDecoder):
         assert self.drafter is not None
         d_cache = DraftKVCache(len(self.drafter.layers), capacity=room)
         committed = list(prompt) + [first]
-        index = NgramIndex(*self.lookup_ngram) if self.lookup else None
-        copy_len = LookupLength(self.lookup, min(2, self.lookup)) if self.lookup else None
-        if index is not None:
-            index.extend(committed)
+        lookup = ContextLookup(committed, self.lookup, self.lookup_ngram) if self.lookup else None
         pending = feats  # [1, C, n*D] target features not yet in the drafter cache
         start, anchor = n_prompt, first
         while reason is None:
@@ -178,10 +175,10 @@ class TreeDecoder(DFlashDecoder):
                 reason = "cancelled"
                 break
             t_step = time.perf_counter()
-            depth = min(self.block_size - 1, max_new - rec.generated - 1)
+            room_left = max_new - rec.generated - 1  # tokens the request may still add after the bonus
             if limit is not None:
-                depth = min(depth, limit - start - 1)
-            depth = max(depth, 0)
+                room_left = min(room_left, limit - start - 1)
+            depth = max(min(self.block_size - 1, room_left), 0)
 
             budget = self.policy.budget()
             planned = self.block_size - 1  # slots a tree may reach (the stats' verify length)
@@ -201,15 +198,9 @@ class TreeDecoder(DFlashDecoder):
                 pending = pending[:, :0] if pending is not None else None
 
             # 2b. Lookup: what followed the context's latest earlier occurrence of its last tokens.
-            chain_nodes: list[int] = []
             drafted_nodes = len(tree)
-            if index is not None and copy_len is not None:
-                room_left = (
-                    max_new - rec.generated - 1 if limit is None else min(max_new - rec.generated, limit - start) - 1
-                )
-                _, guess = index.match(min(copy_len.length, room_left))
-                if guess:
-                    tree, chain_nodes = merge_chain(tree, guess, self.lookup)
+            if lookup is not None:
+                tree = lookup.add_to(tree, room_left)
 
             # 3. Verify: one target forward over the tree, ancestor-only mask, positions start + depth.
             n = len(tree)
@@ -238,17 +229,14 @@ class TreeDecoder(DFlashDecoder):
                 pending = torch.cat([pending, path_feats], dim=1) if pending is not None else path_feats
             anchor = bonus
             committed.extend(new_ids)
-            if index is not None and copy_len is not None:
-                index.extend(new_ids)
-                on_path = set(path)
-                copy_len.observe(len(chain_nodes), sum(1 for i in chain_nodes if i in on_path))
-                rec.copied += sum(1 for i in path if i >= drafted_nodes)
+            if lookup is not None:
+                lookup.observe(path, new_ids)
             self.policy.observe(choice_ranks(tree, path, choices))
             rec.tree_budget = budget
             rec.step(drafted=n - 1, accepted=a, committed=len(events), planned=planned, depth=tree.max_depth)
             draft = tree.tokens[1:]
             draft_text = self._texts(draft, asm)
-            yield BlockVerified(
+            block = BlockVerified(
                 draft=draft,
                 draft_text=draft_text,
                 accepted=a,
@@ -258,4 +246,6 @@ class TreeDecoder(DFlashDecoder):
                 path=tuple(i - 1 for i in path[1:]),
                 copied=n - drafted_nodes,
             )
+            rec.copied += len(block.copied_path)
+            yield block
         yield Finished(reason=reason, stats=rec.finish())
