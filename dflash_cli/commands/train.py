@@ -85,6 +85,15 @@ def train(
             "--answer-tokens caps a chunk, --gen-batch sets chunks per shard).",
         ),
     ] = None,
+    self_instruct: Annotated[
+        bool,
+        typer.Option(
+            "--self-instruct",
+            help="Build a new dataset on requests the target writes itself (sampled from a few-shot page of "
+            "example requests: every language x kind of request, varied topics), then answers greedily "
+            "(generator 'self').",
+        ),
+    ] = False,
     answer_tokens: Annotated[int, typer.Option("--answer-tokens", help="Max tokens per generated answer.")] = 320,
     gen_batch: Annotated[int, typer.Option("--gen-batch", help="Answers generated together.")] = 32,
     data_seed: Annotated[
@@ -204,8 +213,8 @@ def train(
     if not data_only and not resume and steps is None and budget is None:
         raise typer.BadParameter("give --steps or --time-budget (or --data-only)")
     tap_ids = tuple(parse_ids(taps)) if taps else None
-    if text_from and prompts_from:
-        raise typer.BadParameter("--text-from and --prompts-from cannot be combined")
+    if sum(map(bool, (text_from, prompts_from, self_instruct))) > 1:
+        raise typer.BadParameter("--text-from, --prompts-from and --self-instruct cannot be combined")
     roots: tuple[Path, ...] = ()
     if text_from:
         from runtime.train.text import default_roots
@@ -282,13 +291,15 @@ def train(
             batch_size=gen_batch,
             seed=data_seed,
             topk=topk,
-            generator="answers" if prompts_from else "text" if roots else "v2",
+            generator="answers" if prompts_from else "text" if roots else "self" if self_instruct else "v2",
             source=prompts_from,
             text_roots=roots,
         ),
         pipe.stop_token_ids,
         progress=lambda p: say(
-            f"  shard {p['shard'] + 1}/{p['shards']}: {p['tokens']} tokens this run, {p['seconds']:.0f}s"
+            f"  requests written {p['requests_sampled']}/{p['of']} ({p['requests_kept']} kept)"
+            if "requests_sampled" in p
+            else f"  shard {p['shard'] + 1}/{p['shards']}: {p['tokens']} tokens this run, {p['seconds']:.0f}s"
         ),
     )
     report = data_report(data_dir)

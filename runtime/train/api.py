@@ -100,7 +100,8 @@ class DataSpec:
         topk: keep the target's top-k log-probabilities per answer position (soft labels; 0: none).
         generator: prompt generator ("v2": the broad mix of ``runtime.train.generator``;
             "answers": requests on the code of an earlier dataset's answers, ``runtime.train.answers``;
-            "text": real source files scored by the target, no generation, ``runtime.train.text``).
+            "text": real source files scored by the target, no generation, ``runtime.train.text``;
+            "self": requests written by the target itself, ``runtime.train.selfinstruct``).
         source: the earlier dataset folder of the "answers" generator.
         text_roots: source folders of the "text" generator (empty: ``text.default_roots()``).
     """
@@ -158,7 +159,7 @@ def prepare_data(
             source=Path(meta["spec"]["source"]) if meta.get("spec", {}).get("source") else None,
             text_roots=tuple(Path(p) for p in meta.get("spec", {}).get("text_roots", ())),
         )
-    prompts = stored_prompts(data_dir, spec, tokenizer)
+    prompts = stored_prompts(data_dir, spec, tokenizer, target=target.model, progress=progress)
     spec_meta = {
         "num_prompts": spec.num_prompts,
         "batch_size": spec.batch_size,
@@ -213,12 +214,16 @@ def read_prompts(data_dir: Path) -> list[TrainPrompt]:
     return out
 
 
-def stored_prompts(data_dir: Path, spec: DataSpec, tokenizer: Any = None) -> list[TrainPrompt]:
+def stored_prompts(
+    data_dir: Path, spec: DataSpec, tokenizer: Any = None, target: Any = None, progress: Progress | None = None
+) -> list[TrainPrompt]:
     """The dataset's prompt list, fixed in ``data_dir/prompts.jsonl`` the first time.
 
     Shard i answers prompts i*B..(i+1)*B-1, so a dataset must extend with the very prompts it
     started with even if the generator's inputs (installed packages) changed: stored prompts come
-    first, and a larger ``num_prompts`` appends new ones from the generator.
+    first, and a larger ``num_prompts`` appends new ones from the generator. ``target`` (the
+    transformers model) writes the requests of the "self" generator (``progress`` gets
+    ``requests_sampled``/``requests_kept``/``of`` after each batch).
     """
     path = data_dir / PROMPTS_FILE
     stored = read_prompts(data_dir) if path.exists() else []
@@ -228,6 +233,9 @@ def stored_prompts(data_dir: Path, spec: DataSpec, tokenizer: Any = None) -> lis
     cap = None if want is None else want + len(stored)
     if spec.generator == "answers":
         fresh = answer_prompts(spec, tokenizer, cap)
+    elif spec.generator == "self":
+        data_dir.mkdir(parents=True, exist_ok=True)
+        fresh = self_prompts(spec, tokenizer, target, cap, progress, journal=data_dir / SELF_JOURNAL)
     elif spec.generator == "text":
         from runtime.train.text import build_text_prompts, default_roots
 
@@ -269,6 +277,41 @@ def answer_prompts(spec: DataSpec, tokenizer: Any, max_prompts: int | None) -> l
     prompts = build_prompts_from_answers(read_answers(src, tokenizer), seed=spec.seed, max_prompts=max_prompts)
     if not prompts:
         raise ConfigError(f"{src} holds no chat answers with code blocks to build prompts on")
+    return prompts
+
+
+SELF_JOURNAL = "self-requests.jsonl"
+
+
+def self_prompts(
+    spec: DataSpec,
+    tokenizer: Any,
+    target: Any,
+    max_prompts: int | None,
+    progress: Progress | None = None,
+    journal: Path | None = None,
+) -> list[TrainPrompt]:
+    """The "self" generator's prompts: requests the target writes (``runtime.train.selfinstruct``);
+    ``journal`` keeps the sampled batches so an interrupted run resumes where it stopped.
+
+    Raises:
+        ConfigError: no target or tokenizer to write them with, or no usable request came back.
+    """
+    from runtime.train.selfinstruct import build_self_prompts
+
+    if target is None or tokenizer is None:
+        raise ConfigError("the self generator needs the target and its tokenizer to write requests")
+    prompts = build_self_prompts(
+        target,
+        tokenizer,
+        seed=spec.seed,
+        max_prompts=max_prompts,
+        batch_size=spec.batch_size,
+        progress=progress,
+        journal=journal,
+    )
+    if not prompts:
+        raise ConfigError("the target wrote no usable request (is it an instruction-tuned coding model?)")
     return prompts
 
 
