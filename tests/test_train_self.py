@@ -93,6 +93,12 @@ def test_cli_builds_a_dataset_on_requests_the_target_wrote(tiny, tmp_path):
     report = json.loads((out / "data-report.json").read_text())
     assert report["generator"] == "self" and all(k.startswith("self-") for k in report["mix"])
 
+    # reopened (to train on it, or by a rerun of the same command): nothing is sampled again
+    again = CliRunner().invoke(app, args)
+    assert again.exit_code == 0, again.output
+    assert "requests written" not in again.output
+    assert (out / "data" / "prompts.jsonl").read_text().splitlines() == [json.dumps(r) for r in rows]
+
 
 def test_self_instruct_does_not_combine_with_other_generators(tiny, tmp_path):
     target_dir, _, _ = tiny

@@ -19,7 +19,7 @@ import json
 import shutil
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -159,9 +159,19 @@ def prepare_data(
             source=Path(meta["spec"]["source"]) if meta.get("spec", {}).get("source") else None,
             text_roots=tuple(Path(p) for p in meta.get("spec", {}).get("text_roots", ())),
         )
+    asked = None
+    if spec.generator == "self" and meta_path.exists() and (data_dir / PROMPTS_FILE).exists():
+        # the self generator keeps fewer requests than it is asked for (the cleaning drops some):
+        # reopening the dataset (to train on it, or rerunning the command) keeps what it kept, and
+        # only a --prompts above the number asked before samples more
+        asked = int(meta.get("spec", {}).get("num_prompts") or 0)
+        if (spec.num_prompts or asked) <= asked:
+            spec = replace(spec, num_prompts=len(read_prompts(data_dir)))
+        else:
+            asked = spec.num_prompts
     prompts = stored_prompts(data_dir, spec, tokenizer, target=target.model, progress=progress)
     spec_meta = {
-        "num_prompts": spec.num_prompts,
+        "num_prompts": asked if asked is not None else spec.num_prompts,
         "batch_size": spec.batch_size,
         "seed": spec.seed,
         "generator": spec.generator,
