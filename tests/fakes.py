@@ -5,6 +5,7 @@ drafters, and a scripted decoder for CLI/TUI tests (no model at all).
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -365,3 +366,18 @@ class ScriptedDecoder:
 def write_json(path: Path, data: Any) -> None:
     """Write JSON (test helper)."""
     path.write_text(json.dumps(data))
+
+
+def one_line(output: str) -> str:
+    """A CLI's output as one line: rich's error-box borders and the wrapping of its message removed,
+    so a test can look for a whole sentence whatever the terminal width and the paths in it."""
+    return " ".join(re.sub("[│╭╮╰╯─]", " ", output).split())
+
+
+def one_line_error(r: Any, code: int, *needles: str) -> None:
+    """The CLI failed with exit code `code` and one `dflash: error: ...` line naming every needle."""
+    assert r.exit_code == code, r.output
+    assert r.stderr.startswith("dflash: error: ") and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "Traceback" not in r.output
+    for n in needles:
+        assert n in r.stderr, (n, r.stderr)

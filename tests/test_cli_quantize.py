@@ -12,6 +12,7 @@ from dflash_cli.commands.quantize import SchemeChoice
 from runtime.errors import ConfigError, ModelLoadError
 from runtime.quantize.io import QUANT_KEY
 from runtime.quantize.schemes import SCHEMES
+from tests.fakes import one_line_error
 
 runner = CliRunner()
 F32 = ["--dtype", "float32", "--device", "cpu"]
@@ -96,14 +97,6 @@ def test_run_json_with_quantize(tiny_pair):
 
 
 # -- errors ------------------------------------------------------------------------------------------
-
-
-def one_line_error(r, code: int, *needles: str) -> None:
-    assert r.exit_code == code, r.output
-    assert r.stderr.startswith("dflash: error: ") and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert "Traceback" not in r.output
-    for n in needles:
-        assert n in r.stderr, (n, r.stderr)
 
 
 def test_unknown_scheme(tiny_pair, tmp_path):

@@ -9,6 +9,7 @@ from typer.testing import CliRunner
 
 from dflash_cli.app import app
 from runtime.errors import ConfigError
+from tests.fakes import one_line_error
 
 runner = CliRunner()
 F32 = ["--dtype", "float32", "--device", "cpu"]
@@ -16,14 +17,6 @@ F32 = ["--dtype", "float32", "--device", "cpu"]
 
 def cli(*args: str, input: str | bytes = ""):  # noqa: A002
     return runner.invoke(app, list(args), input=input)
-
-
-def one_line_error(r, code: int, *needles: str) -> None:
-    assert r.exit_code == code, r.output
-    assert r.stderr.startswith("dflash: error: ") and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert "Traceback" not in r.output
-    for n in needles:
-        assert n in r.stderr, (n, r.stderr)
 
 
 def _no_load(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -22,7 +22,7 @@ from runtime.train.selfinstruct import (
     plan_slots,
     sample_requests,
 )
-from tests.fakes import make_target, make_tokenizer
+from tests.fakes import make_target, make_tokenizer, one_line
 
 WRITE = next(t for t in TASKS if not t.code)
 FIX = next(t for t in TASKS if t.key == "fix")
@@ -104,7 +104,7 @@ def test_self_instruct_does_not_combine_with_other_generators(tiny, tmp_path):
     target_dir, _, _ = tiny
     args = ["train", "--target", str(target_dir), "--out", str(tmp_path / "x"), "--data-only"]
     r = CliRunner().invoke(app, [*args, "--self-instruct", "--text-from", str(tmp_path)])
-    assert r.exit_code == 2 and "cannot be combined" in " ".join(re.sub("[│╭╮╰╯─]", " ", r.output).split())
+    assert r.exit_code == 2 and "cannot be combined" in one_line(r.output)
 
 
 def test_an_interrupted_sampling_resumes_from_its_journal(tiny, tmp_path):

@@ -17,7 +17,7 @@ from runtime.train.api import DataSpec, prepare_data
 from runtime.train.data import dataset_summary, load_shard
 from runtime.train.text import build_text_prompts, encode_text
 from runtime.train.trainer import build_batch
-from tests.fakes import make_target, make_tokenizer
+from tests.fakes import make_target, make_tokenizer, one_line
 
 SOURCES = {
     "pkg/util.py": "\n".join(f"def f{i}(x):\n    y = x + {i}\n    return y * 2\n" for i in range(12)),
@@ -141,10 +141,10 @@ def test_cli_builds_a_text_dataset_and_trains_on_it_with_answers(tiny, tmp_path)
 
 def test_cli_rejects_a_missing_text_folder(tiny, tmp_path, monkeypatch):
     target_dir, _, v2, _ = tiny
-    monkeypatch.chdir(tmp_path)  # short paths: the error box does not wrap
+    monkeypatch.chdir(tmp_path)
     base = ["train", "--target", str(target_dir), "--dtype", "float32", "--out", "x", "--data-only"]
     r = CliRunner().invoke(app, [*base, "--text-from", "nope"])
-    assert r.exit_code == 2 and "--text-from" in r.output and "is not a folder" in r.output
+    assert r.exit_code == 2 and "--text-from 'nope' is not a folder" in one_line(r.output)
     r = CliRunner().invoke(app, [*base, "--text-from", "auto", "--prompts-from", str(v2)])
-    assert r.exit_code == 2 and "cannot be combined" in r.output
+    assert r.exit_code == 2 and "cannot be combined" in one_line(r.output)
     assert not (tmp_path / "x").exists()
