@@ -69,14 +69,19 @@ class DFlashConfig:
         mask_token_id: id of the mask token M filling the proposal slots.
         target_layer_ids: target decoder layers whose outputs feed the drafter.
         draft_vocab_size: size of the reduced draft vocabulary, or None for the full one.
+        copy_ngram: (shortest, longest) context n-gram whose continuation the drafter is shown as
+            copy inputs (``runtime.engine.lookup.block_copies``), or None for a drafter without them.
     """
 
     block_size: int
     mask_token_id: int
     target_layer_ids: tuple[int, ...]
     draft_vocab_size: int | None = None
+    copy_ngram: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
+        if self.copy_ngram is not None and not 1 <= self.copy_ngram[0] <= self.copy_ngram[1] <= 16:
+            raise ConfigError(f"copy_ngram needs 1 <= shortest <= longest <= 16, got {list(self.copy_ngram)}")
         if self.block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
         if self.mask_token_id < 0:

@@ -254,7 +254,7 @@ class TreeOracleDecoder(TreeDecoder):
                 scores[d, tok] = -5.0 * r  # rank 0 near-certain, strictly decreasing by rank
             if self.adversarial:
                 scores[d, t] = float("-inf")
-        return torch.log_softmax(scores, dim=-1).to(self.target.device), None
+        return torch.log_softmax(scores, dim=-1).to(self.target.device), None, None
 
 
 def collect_ids(events: Sequence[DecodeEvent]) -> list[int]:

@@ -60,3 +60,33 @@ def test_fused_head_loss_rejects_mismatched_targets():
     h, head, ids, coef = _problem(torch.float32)
     with pytest.raises(ValueError, match="must be"):
         fused_head_loss(h, head, ids[:, :2], coef)
+
+
+@pytest.mark.parametrize("chunk", [1, 16])
+def test_fused_head_loss_with_the_copy_pointer_matches_the_plain_formula(chunk):
+    """``bonus`` added at ``bonus_col`` and an ``extra`` column N (-inf where unused): loss, argmax,
+    rank and the gradients of h, bonus and extra equal autograd through dense logits."""
+    h, head, ids, coef = _problem(torch.float32)
+    rows, vocab = h.shape[0], head.shape[0]
+    g = torch.Generator().manual_seed(5)
+    bonus = (torch.randn(rows, generator=g) * 3).requires_grad_(True)
+    col = torch.randint(0, vocab, (rows,), generator=g)
+    extra = torch.where(torch.rand(rows, generator=g) < 0.5, torch.randn(rows, generator=g) * 4 + 2, float("-inf"))
+    extra = extra.requires_grad_(True)
+    ids = ids.clone()
+    named = torch.isfinite(extra.detach()) & (torch.arange(rows) % 3 == 0)
+    ids[named, 0] = vocab  # some rows are labelled with the extra column
+    out = fused_head_loss(h, head, ids, coef, metrics=True, chunk=chunk, bonus=bonus, bonus_col=col, extra=extra)
+    grads = torch.autograd.grad(out.loss * 2.0, (h, bonus, extra))
+    h2, b2, e2 = (t.detach().clone().requires_grad_(True) for t in (h, bonus, extra))
+    dense = (h2 @ head.T).float() + torch.zeros(rows, vocab).scatter(1, col[:, None], 1.0) * b2[:, None]
+    dense = torch.cat([dense, e2[:, None]], 1)
+    logp = dense.log_softmax(-1).gather(1, ids)
+    loss = -torch.where(coef != 0, coef * logp, 0.0).sum()
+    want = torch.autograd.grad(loss * 2.0, (h2, b2, e2))
+    torch.testing.assert_close(out.loss, loss)
+    for got, ref in zip(grads, want, strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out.pred, dense.argmax(-1))
+    assert torch.equal(out.rank, (dense > dense.gather(1, ids[:, :1])).sum(-1))
+    assert (out.pred == vocab).any()  # the extra column wins somewhere: the test exercises it

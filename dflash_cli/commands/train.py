@@ -141,6 +141,16 @@ def train(
             "on this run's data; it keeps its architecture; the draft vocabulary is chosen anew, its own ids first.",
         ),
     ] = None,
+    copy_inputs: Annotated[
+        bool,
+        typer.Option(
+            "--copy-inputs",
+            help="Give the drafter copy inputs: each slot also sees the token a 1-4-gram lookup into the "
+            "context proposes for it, and that token's draft logit gets a learnt bias (a pointer; scored from the "
+            "full head when outside the draft vocabulary). Zero-initialised: a --from-drafter drafts as before "
+            "until trained.",
+        ),
+    ] = False,
     eval_every: Annotated[
         int, typer.Option("--eval-every", help="Steps between held-out evaluations (OUT/eval.jsonl).")
     ] = 200,
@@ -189,6 +199,7 @@ def train(
     model card, so `dflash run --drafter OUT/drafter` and other engines load it.
     """
     from runtime.train.api import (
+        COPY_NGRAM,
         DataSpec,
         DrafterSpec,
         data_report,
@@ -245,6 +256,7 @@ def train(
         init=init,
         from_drafter=source,
         grow_to=layers if source is not None else None,
+        copy_ngram=COPY_NGRAM if copy_inputs else None,
     )
     cfg = None
     if not data_only and (steps is not None or budget is not None):  # --resume alone keeps the run's schedule
@@ -765,6 +777,27 @@ def _side_by_side(pipe: Any, evaluation: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _copy_lines(drafter: Any) -> list[str]:
+    """The card's line on copy inputs (none for a drafter without them)."""
+    ngram = drafter.dflash.copy_ngram
+    if ngram is None or drafter.copy_scale is None:
+        return []
+    rows = drafter.copy_scale.detach().float().abs().mean(dim=1).tolist()
+    scales = ", ".join(f"{n}-gram {rows[n]:.2f}" for n in range(ngram[0], ngram[1] + 1))
+    lines = [
+        f"- copy inputs: each slot also sees the token a {ngram[0]}-{ngram[1]}-gram lookup into the context "
+        f"proposes for it, scaled per matched size (mean |scale|: {scales})"
+    ]
+    if drafter.copy_bias is not None:
+        bias = drafter.copy_bias.detach().float().tolist()
+        pointer = ", ".join(f"{n}-gram {bias[n]:+.2f}" for n in range(ngram[0], ngram[1] + 1))
+        lines.append(
+            "- copy pointer: the proposal's draft logit gets a learnt bias per matched size, and a proposal "
+            f"outside the draft vocabulary is scored from the target's full head ({pointer})"
+        )
+    return lines
+
+
 def model_card(
     pipe: Any, trainer: Any, evaluation: dict[str, Any] | None, argv: list[str], data_dir: Path | str | None = None
 ) -> str:
@@ -801,6 +834,7 @@ def model_card(
         f"- draft vocabulary: {d.draft_vocab_ids.numel() if d.draft_vocab_ids is not None else 'full'} token ids"
         + (f" ({vocab['rule']}; held-out OOV share {vocab['oov_share']:.2%})" if "rule" in vocab else ""),
         f"- initialisation: {_init_line(init)}",
+        *_copy_lines(d),
         "",
         "## Data",
         "The target's own greedy answers (chat template, thinking off) to coding prompts built offline",

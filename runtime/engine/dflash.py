@@ -31,6 +31,7 @@ from runtime.engine.events import (
 from runtime.engine.guards import ensure_finite_logits
 from runtime.engine.kv_cache import DraftKVCache
 from runtime.engine.linear import FusedLinear, Int8Head
+from runtime.engine.lookup import NgramIndex, block_copies
 from runtime.engine.sampling import sample
 from runtime.engine.target import TargetModel
 from runtime.engine.verify_length import FixedVerifyLength, VerifyLengthPolicy
@@ -49,6 +50,8 @@ class DraftHead:
             weight = weight[ids]
             bias = bias[ids] if bias is not None else None
         self.weight, self.bias, self.ids = weight, bias, ids
+        self.full_weight, self.full_bias = target.lm_head.weight, getattr(target.lm_head, "bias", None)
+        self._columns: torch.Tensor | None = None  # full id -> column of the reduced head (-1: outside)
         # a reduced head is a copy: pack it once for oneDNN where that runs (runtime.engine.linear)
         # (the full head is packed too where the target computes in another dtype than its weights)
         pack = (ids is not None or weight.dtype != target.dtype) and type(weight.data) is torch.Tensor
@@ -81,6 +84,54 @@ class DraftHead:
         """Greedy draft ids for hidden states [K, D] -> [K] (ids in the full vocabulary)."""
         best = torch.argmax(self.logits(hidden).float(), dim=-1)  # float: see sampling.sample
         return self.ids[best] if self.ids is not None else best
+
+    def with_copies(
+        self, logits: torch.Tensor, hidden: torch.Tensor, copy_ids: torch.Tensor, bias: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft logits with the copy inputs' pointer (``DFlashDraftModel.copy_logit_bias``).
+
+        Args:
+            logits: [K, V_d] float32 draft logits of ``hidden`` [K, D].
+            copy_ids: [K] full id of each slot's proposed token (any id where there is none).
+            bias: [K] what to add to its logit (0 where there is none).
+
+        Returns:
+            (logits with ``bias`` added at each proposal's column, [K] the full id of one more
+            column or None): a proposal outside a reduced draft vocabulary is scored from the
+            target's full head in column V_d (-inf in slots without such a proposal).
+        """
+        has = bias != 0
+        if self.ids is None:
+            return logits.index_put_((torch.arange(logits.shape[0], device=logits.device), copy_ids), bias, True), None
+        if self._columns is None:
+            cols = torch.full((self.full_weight.shape[0],), -1, dtype=torch.long, device=self.ids.device)
+            cols[self.ids] = torch.arange(self.ids.numel(), device=self.ids.device)
+            self._columns = cols
+        col = self._columns[copy_ids]
+        inside = has & (col >= 0)
+        logits = logits.index_put_(
+            (torch.arange(logits.shape[0], device=logits.device), col.clamp(min=0)), bias * inside, True
+        )
+        outside = has & (col < 0)
+        extra = torch.full((logits.shape[0], 1), float("-inf"), dtype=logits.dtype, device=logits.device)
+        if bool(outside.any()):
+            rows = self.full_weight[copy_ids].to(hidden.dtype)  # [K, D]
+            score = (hidden * rows).sum(-1).float() + bias
+            if self.full_bias is not None:
+                score = score + self.full_bias[copy_ids].float()
+            extra[:, 0] = torch.where(outside, score, extra[:, 0])
+        return torch.cat([logits, extra], 1), copy_ids
+
+    def to_ids(self, columns: torch.Tensor, extra_ids: torch.Tensor | None) -> torch.Tensor:
+        """Columns [K, ...] of ``logits`` (or ``with_copies``' logits) -> full ids."""
+        if self.ids is None:
+            return columns
+        n = self.ids.numel()
+        ids = self.ids[columns.clamp(max=n - 1)]
+        if extra_ids is None:
+            return ids
+        shape = (-1,) + (1,) * (columns.dim() - 1)
+        return torch.where(columns == n, extra_ids.view(shape).expand_as(columns), ids)
 
 
 class _Plain:
@@ -188,6 +239,7 @@ class DFlashDecoder:
             self.head = DraftHead.for_pair(target, self.drafter)
             self.mask_id = self.drafter.dflash.mask_token_id
             self._sliding = any(cast(DraftLayer, layer).self_attn.sliding_window for layer in self.drafter.layers)
+        self._copy_index: NgramIndex | None = None  # the copy inputs' index of the current request
 
     def stream(
         self, prompt_ids: Sequence[int], params: SamplingParams, cancel: CancelToken | None = None
@@ -231,24 +283,58 @@ class DFlashDecoder:
             k: drafts wanted (<= block_size - 1).
             pending: [1, C, n*D] target features not yet in the drafter cache.
             d_cache: drafter KV cache (holds context entries < start - C).
-            committed: prompt + committed ids so far (unused here; oracle drafters in tests use it).
+            committed: prompt + committed ids so far, ending with the anchor (the copy inputs' context).
 
         Returns:
             [k] draft ids on the target's device.
         """
+        logits, extra_ids = self.draft_logits(anchor, start, k, pending, d_cache, committed)
         assert self.head is not None
-        return self.head.argmax(self.draft_hidden(anchor, start, pending, d_cache)[1 : 1 + k])
+        return self.head.to_ids(torch.argmax(logits, dim=-1), extra_ids)
+
+    def draft_logits(
+        self,
+        anchor: torch.Tensor | int,
+        start: int,
+        k: int,
+        pending: torch.Tensor | None,
+        d_cache: DraftKVCache | None,
+        committed: Sequence[int],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Float32 draft logits of slots 1..k from one drafter forward (arguments as ``propose``).
+
+        Returns:
+            ([k, V] logits over the draft vocabulary, with the copy inputs' pointer where the drafter
+            has one, [k] full id of their extra column or None: ``DraftHead.with_copies``).
+        """
+        assert self.head is not None and self.drafter is not None
+        hidden, copies = self.draft_hidden(anchor, start, pending, d_cache, committed)
+        hidden = hidden[1 : 1 + k]
+        logits = self.head.logits(hidden).float()  # float: see sampling.sample
+        if copies is None:
+            return logits, None
+        ids, matched = copies[0][1 : 1 + k], copies[1][1 : 1 + k]
+        return self.head.with_copies(logits, hidden, ids, self.drafter.copy_logit_bias(matched))
 
     def draft_hidden(
-        self, anchor: torch.Tensor | int, start: int, pending: torch.Tensor | None, d_cache: DraftKVCache | None
-    ) -> torch.Tensor:
+        self,
+        anchor: torch.Tensor | int,
+        start: int,
+        pending: torch.Tensor | None,
+        d_cache: DraftKVCache | None,
+        committed: Sequence[int] = (),
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """The drafter's final hidden states for the block [anchor, M, ..., M] at ``start``.
 
         Args:
             anchor: [1] the last committed token (on the device), or its id.
+            committed: prompt + committed ids, ending with the anchor: the context a drafter with
+                copy inputs (``dflash.copy_ngram``) matches its last tokens in.
 
         Returns:
-            [b, D]; row k (k >= 1) scores the token at position start + k (``DraftHead``).
+            ([b, D]: row k (k >= 1) scores the token at position start + k (``DraftHead``); the copy
+            inputs shown to the block, ([b] proposed ids, [b] matched n-gram sizes) on the device,
+            or None when the drafter has none or nothing matched).
         """
         assert self.drafter is not None and d_cache is not None and pending is not None
         b = self.block_size
@@ -257,9 +343,23 @@ class DFlashDecoder:
         ctx = self.drafter.fuse_context(pending)  # [1, C, D]
         positions = self._positions[d_cache.seq_len : start + b].unsqueeze(0)  # [1, C + b]
         key_pos = self._positions[: start + b] if self._sliding else None
-        hidden = self.drafter(self.target.embed(block_ids), ctx, positions, cache=d_cache, key_positions=key_pos)
+        embeds = self.target.embed(block_ids)
+        ngram = self.drafter.dflash.copy_ngram
+        shown: tuple[torch.Tensor, torch.Tensor] | None = None
+        if ngram is not None and committed:
+            index = self._copy_index
+            if index is None or len(index.tokens) > len(committed):
+                index = self._copy_index = NgramIndex(*ngram)
+            index.extend(committed[len(index.tokens) :])
+            ids, matched = block_copies(index, b, self.mask_id)
+            if any(matched):
+                dev = embeds.device
+                shown = (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(matched, device=dev))
+                copies = self.target.embed(shown[0][None])
+                embeds = embeds + self.drafter.copy_inputs(copies, shown[1][None])
+        hidden = self.drafter(embeds, ctx, positions, cache=d_cache, key_positions=key_pos)
         d_cache.crop(start)  # keep context entries only; the block never stays cached
-        return hidden[0]
+        return hidden[0], shown
 
     def _begin(self, prompt: list[int], params: SamplingParams) -> _Request:
         """Check the prompt and set up one request (shared by the chain and tree loops).
@@ -289,6 +389,7 @@ class DFlashDecoder:
         target, device = self.target, self.target.device
         t_cache = target.new_cache(capacity=room)
         if self.drafter is not None:
+            self._copy_index = None
             self._block = torch.full((1, self.block_size), self.mask_id, dtype=torch.long, device=device)
             self._positions = torch.arange(room + self.block_size, device=device)
         ids = torch.tensor([prompt], dtype=torch.long, device=device)  # [1, P]

@@ -14,7 +14,7 @@ window for ``sliding_attention`` layers. Training passes an explicit block-spars
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -115,6 +115,9 @@ class DraftModelConfig:
             raise ModelLoadError(f"drafter layer_types has {len(layer_types)} entries for {n_layers} layers")
         sliding = cfg.get("sliding_window")
         draft_vocab = nested.get("draft_vocab_size", cfg.get("draft_vocab_size"))
+        copy_ngram = nested.get("copy_ngram")
+        if copy_ngram is not None and (not isinstance(copy_ngram, list) or len(copy_ngram) != 2):
+            raise ModelLoadError(f"dflash_config.copy_ngram must be [shortest, longest], got {copy_ngram!r}")
         return cls(
             hidden_size=hidden,
             num_hidden_layers=n_layers,
@@ -134,6 +137,7 @@ class DraftModelConfig:
                 mask_token_id=int(mask_id),
                 target_layer_ids=tuple(int(i) for i in layer_ids),
                 draft_vocab_size=int(draft_vocab) if draft_vocab else None,
+                copy_ngram=(int(copy_ngram[0]), int(copy_ngram[1])) if copy_ngram is not None else None,
             ),
             raw=dict(cfg),
         )
@@ -277,6 +281,13 @@ class DFlashDraftModel(nn.Module):
     Attributes:
         config: parsed architecture.
         draft_vocab_ids: optional [V_d] int64 buffer: the reduced draft vocabulary (EAGLE-3 style).
+        copy_scale: with ``dflash.copy_ngram``, a [longest + 1, D] parameter: row n scales the
+            embedding of the token the context lookup proposes for a slot when its match was an
+            n-gram (``copy_inputs``); row 0 (no match) is never used.
+        copy_bias: with ``dflash.copy_ngram``, a [longest + 1] parameter: entry n is added to the draft
+            logit of the token the lookup proposes for a slot when its match was an n-gram, scored
+            from the target's full head when it is outside the draft vocabulary (``copy_logit_bias``;
+            a pointer to the context next to the drafter's own head). Entry 0 is never used.
     """
 
     def __init__(self, config: DraftModelConfig) -> None:
@@ -294,6 +305,39 @@ class DFlashDraftModel(nn.Module):
         self._rotary: list[nn.Module] = [Qwen3RotaryEmbedding(config.rotary_config())]
         self.draft_vocab_ids: torch.Tensor | None
         self.register_buffer("draft_vocab_ids", None, persistent=True)
+        self.copy_scale: nn.Parameter | None = None
+        self.copy_bias: nn.Parameter | None = None
+        if config.dflash.copy_ngram is not None:
+            self.copy_scale = nn.Parameter(torch.zeros(config.dflash.copy_ngram[1] + 1, d))
+            self.copy_bias = nn.Parameter(torch.zeros(config.dflash.copy_ngram[1] + 1))
+
+    def copy_inputs(self, copy_embeds: torch.Tensor, matched: torch.Tensor) -> torch.Tensor:
+        """What the copy inputs add to the block's embeddings.
+
+        Args:
+            copy_embeds: [B, Q, D] target embeddings of the tokens the context lookup proposes for
+                each block position (any id where it proposes none).
+            matched: [B, Q] length of the n-gram the proposal continues (0: none, adds nothing).
+
+        Returns:
+            [B, Q, D] ``copy_scale[matched] * copy_embeds``, zero where ``matched`` is 0.
+        """
+        assert self.copy_scale is not None, "this drafter has no copy inputs"
+        scale = self.copy_scale[matched.clamp(max=self.copy_scale.shape[0] - 1)] * (matched > 0)[..., None]
+        return scale.to(copy_embeds.dtype) * copy_embeds
+
+    def copy_logit_bias(self, matched: torch.Tensor) -> torch.Tensor:
+        """What the copy inputs add to the logit of each slot's proposed token.
+
+        Args:
+            matched: [...] length of the n-gram each proposal continues (0: none).
+
+        Returns:
+            [...] float32 ``copy_bias[matched]``, zero where ``matched`` is 0.
+        """
+        assert self.copy_bias is not None, "this drafter has no copy inputs"
+        bias = self.copy_bias.float()[matched.clamp(max=self.copy_bias.shape[0] - 1)]
+        return bias * (matched > 0)
 
     @property
     def dflash(self) -> DFlashConfig:
@@ -420,6 +464,8 @@ def load_draft_model(
     state = _normalise_keys(read_safetensors(folder))
     vocab_ids = state.pop("draft_vocab_ids", None)
     expected = {k for k in model.state_dict() if k != "draft_vocab_ids"}
+    if config.dflash.copy_ngram is not None and "copy_bias" not in state:
+        state["copy_bias"] = torch.zeros(config.dflash.copy_ngram[1] + 1)  # saved before it existed: no bias
     missing = sorted(expected - state.keys())
     unexpected = sorted(state.keys() - expected)
     if missing or unexpected:
@@ -457,6 +503,10 @@ def save_draft_model(model: DFlashDraftModel, path: str | Path, extra_config: di
         mask_token_id=model.dflash.mask_token_id,
         target_layer_ids=list(model.dflash.target_layer_ids),
     )
+    if model.dflash.copy_ngram is not None:
+        dconf["copy_ngram"] = list(model.dflash.copy_ngram)
+    else:
+        dconf.pop("copy_ngram", None)
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items() if k != "draft_vocab_ids"}
     if model.draft_vocab_ids is not None:
         state["draft_vocab_ids"] = model.draft_vocab_ids.detach().cpu().to(torch.long).contiguous()
@@ -472,3 +522,30 @@ def save_draft_model(model: DFlashDraftModel, path: str | Path, extra_config: di
     save_file(state, str(tmp), metadata={"format": "pt"})
     tmp.replace(folder / "model.safetensors")
     (folder / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+def add_copy_inputs(model: DFlashDraftModel, ngram: tuple[int, int]) -> DFlashDraftModel:
+    """Give a drafter copy inputs (``DFlashDraftModel.copy_inputs``) for ``ngram`` context matches.
+
+    The new ``copy_scale`` and ``copy_bias`` start at zero, so the drafter drafts exactly as before
+    until trained.
+    A drafter that already has copy inputs for the same n-grams is returned unchanged.
+
+    Raises:
+        ConfigError: it has copy inputs for other n-gram sizes.
+    """
+    current = model.dflash.copy_ngram
+    if current == tuple(ngram):
+        return model
+    if current is not None:
+        raise ConfigError(f"the drafter has copy inputs for {list(current)}-grams, not {list(ngram)}")
+    dflash = replace(model.dflash, copy_ngram=(int(ngram[0]), int(ngram[1])))
+    raw = dict(model.config.raw)
+    raw["dflash_config"] = {**dict(raw.get("dflash_config") or {}), "copy_ngram": list(dflash.copy_ngram or ())}
+    model.config = replace(model.config, dflash=dflash, raw=raw)
+    ref = next(model.parameters())
+    model.copy_scale = nn.Parameter(
+        torch.zeros(ngram[1] + 1, model.config.hidden_size, device=ref.device, dtype=ref.dtype)
+    )
+    model.copy_bias = nn.Parameter(torch.zeros(ngram[1] + 1, device=ref.device, dtype=ref.dtype))
+    return model

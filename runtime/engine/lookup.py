@@ -75,6 +75,22 @@ class NgramIndex:
         return 0, []
 
 
+def block_copies(index: NgramIndex, block_size: int, fill: int) -> tuple[list[int], list[int]]:
+    """The copy inputs of one drafter block (``DFlashDraftModel.copy_inputs``).
+
+    ``index`` holds the context up to and including the block's anchor; slot k (1..b-1) is shown
+    the k-th token of what followed the latest earlier occurrence of its longest matching suffix.
+
+    Returns:
+        ([b] token ids, ``fill`` where there is none; [b] matched n-gram size per position, 0 at the
+        anchor and everywhere when nothing matched).
+    """
+    n, guess = index.match(block_size - 1)
+    if not guess:
+        return [fill] * block_size, [0] * block_size
+    return [fill, *guess], [0] + [n] * (block_size - 1)
+
+
 def merge_chain(tree: DraftTree, chain: Sequence[int], max_new: int) -> tuple[DraftTree, list[int]]:
     """Add ``chain`` (continuing the root) to ``tree`` as a branch.
 

@@ -51,7 +51,7 @@ class DraftTree:
 
 
 def slot_candidates(
-    logprobs: torch.Tensor, width: int, vocab_ids: torch.Tensor | None = None
+    logprobs: torch.Tensor, width: int, vocab_ids: torch.Tensor | None = None, extra_ids: torch.Tensor | None = None
 ) -> tuple[list[list[float]], list[list[int]]]:
     """Each slot's ``width`` best candidates, best first, on the host (the one host sync of drafting).
 
@@ -59,6 +59,8 @@ def slot_candidates(
         logprobs: [D, V_d] log-probabilities of slots 1..D.
         width: candidates kept per slot (capped by V_d).
         vocab_ids: [V_d] full-vocabulary id of each column (a reduced draft vocabulary), or None.
+        extra_ids: [D] full id of column V_d, one more column per slot (a copy proposal outside
+            the draft vocabulary), or None.
 
     Returns:
         (log-probabilities [D][w], full token ids [D][w]).
@@ -66,7 +68,12 @@ def slot_candidates(
     if logprobs.ndim != 2 or logprobs.shape[0] == 0 or width <= 0:
         return [], []
     top = torch.topk(logprobs.float(), min(width, int(logprobs.shape[1])), dim=-1)  # [D, w]
-    ids = vocab_ids.to(top.indices.device)[top.indices] if vocab_ids is not None else top.indices
+    if vocab_ids is None:
+        return top.values.tolist(), top.indices.tolist()
+    table = vocab_ids.to(top.indices.device)
+    ids = table[top.indices.clamp(max=table.numel() - 1)]
+    if extra_ids is not None:
+        ids = torch.where(top.indices == table.numel(), extra_ids.to(ids.device)[:, None].expand_as(ids), ids)
     return top.values.tolist(), ids.tolist()
 
 

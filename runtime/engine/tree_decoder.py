@@ -120,20 +120,22 @@ class TreeDecoder(DFlashDecoder):
         pending: torch.Tensor | None,
         d_cache: DraftKVCache | None,
         committed: Sequence[int],
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Per-slot draft log-probabilities for slots 1..depth, from one drafter forward.
 
         Args:
             anchor, start, pending, d_cache: as in ``DFlashDecoder.propose``.
             depth: slots wanted (<= block_size - 1).
-            committed: prompt + committed ids (unused here; oracle drafters in tests use it).
+            committed: prompt + committed ids, ending with the anchor (the copy inputs' context).
 
         Returns:
-            ([depth, V_d] float log-probabilities, [V_d] full ids of the columns or None).
+            ([depth, V] float log-probabilities, [V_d] full ids of the columns or None, [depth] full
+            id of each slot's extra column or None: the copy inputs' proposal outside the draft
+            vocabulary, ``DraftHead.with_copies``).
         """
         assert self.head is not None
-        hidden = self.draft_hidden(anchor, start, pending, d_cache)[1 : 1 + depth]  # [depth, D]
-        return torch.log_softmax(self.head.logits(hidden).float(), dim=-1), self.head.ids
+        logits, extra_ids = self.draft_logits(anchor, start, depth, pending, d_cache, committed)
+        return torch.log_softmax(logits, dim=-1), self.head.ids, extra_ids
 
     def _texts(self, ids: Sequence[int], asm: TextAssembler) -> tuple[str, ...]:
         """Display text of each drafted id, decoded on its own (one tokenizer call for the tree)."""
@@ -189,8 +191,8 @@ class TreeDecoder(DFlashDecoder):
             # 2. Draft: one drafter forward, then a best-first tree of up to B nodes (one host sync).
             tree = DraftTree((anchor,), (-1,), (0,), (-1,))
             if depth > 0:
-                logprobs, vocab_ids = self.draft_logprobs(anchor, start, depth, pending, d_cache, committed)
-                vals, toks = slot_candidates(logprobs, max(budget, RANKS), vocab_ids)  # [depth][w]
+                logprobs, vocab_ids, extra_ids = self.draft_logprobs(anchor, start, depth, pending, d_cache, committed)
+                vals, toks = slot_candidates(logprobs, max(budget, RANKS), vocab_ids, extra_ids)  # [depth][w]
                 if budget > 0:
                     tree = tree_from_candidates(vals, toks, anchor, budget)
                 else:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from runtime.engine.drafter import load_draft_model, save_draft_model
+from runtime.engine.drafter import add_copy_inputs, load_draft_model, save_draft_model
 from runtime.engine.target import TargetModel
 from runtime.errors import ConfigError
 from runtime.train import vocab as vocab_mod
@@ -42,6 +42,8 @@ from runtime.train.state import load_trainer_state
 from runtime.train.trainer import ShardDataset, TrainConfig, Trainer, dataset_meta, iter_shards
 
 Progress = Callable[[dict[str, Any]], None]
+
+COPY_NGRAM = (1, 4)  # context n-gram sizes of ``dflash train --copy-inputs``
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,9 @@ class DrafterSpec:
             architecture fields are ignored.
         grow_to: with ``from_drafter``, append identity-initialised layers up to this many
             (``warm_start``; None keeps the source's layer count).
+        copy_ngram: give the drafter copy inputs for these (shortest, longest) context n-gram
+            matches (``runtime.engine.drafter.add_copy_inputs``; they start at zero, so a warm-started
+            drafter drafts as before until trained); None: none added (a source drafter keeps its own).
     """
 
     num_layers: int = 1
@@ -77,6 +82,7 @@ class DrafterSpec:
     init: str = "random"
     from_drafter: Path | None = None
     grow_to: int | None = None
+    copy_ngram: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.num_layers < 1 or self.block_size < 2:
@@ -514,6 +520,8 @@ def fit(
         drafter = init_drafter(cfg, final_norm)
         if spec.init == "target":
             init_report = init_from_target(drafter, target.model)
+    if not resume and spec.copy_ngram is not None:
+        drafter = add_copy_inputs(drafter, spec.copy_ngram)
     taps = list(drafter.dflash.target_layer_ids)
     train, val = open_datasets(data_dir, taps, hidden, extra=extra_data)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,12 @@ and weights ``coef[r]`` (0 = unused entry),
     loss = sum_r ( sum_j coef[r, j] ) * logsumexp(logits[r]) - sum_j coef[r, j] * logits[r, ids[r, j]]
 
 whose gradient with respect to logits[r] is ``sum_j coef[r, j] * softmax(logits[r]) - scatter(coef[r])``.
+
+A drafter with copy inputs also points at the context lookup's proposal for each row: ``bonus[r]``
+is added to the logit of column ``bonus_col[r]`` (a proposal inside the draft vocabulary) and
+``extra[r]`` is the logit of one more column, index N (a proposal outside it, scored by the caller
+from the full head; -inf where there is none). Both are differentiable inputs: their gradients are
+the logits' gradient at those columns.
 """
 
 from __future__ import annotations
@@ -48,10 +54,21 @@ class HeadLoss:
 class _FusedHeadCE(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, h: torch.Tensor, head: torch.Tensor, ids: torch.Tensor, coef: torch.Tensor, chunk: int, metrics: bool
+        ctx: Any,
+        h: torch.Tensor,
+        head: torch.Tensor,
+        ids: torch.Tensor,
+        coef: torch.Tensor,
+        chunk: int,
+        metrics: bool,
+        bonus: torch.Tensor | None,
+        bonus_col: torch.Tensor | None,
+        extra: torch.Tensor | None,
     ) -> tuple[torch.Tensor, ...]:
-        rows = h.shape[0]
+        rows, n = h.shape[0], head.shape[0]
         dev = h.device
+        grad_bonus = torch.zeros(rows, dtype=torch.float32, device=dev) if bonus is not None else None
+        grad_extra = torch.zeros(rows, dtype=torch.float32, device=dev) if extra is not None else None
         lse = torch.empty(rows, dtype=torch.float32, device=dev)
         picked = torch.empty(ids.shape, dtype=torch.float32, device=dev)
         pred = torch.empty(rows if metrics else 0, dtype=torch.long, device=dev)
@@ -64,6 +81,10 @@ class _FusedHeadCE(torch.autograd.Function):
         for s in range(0, rows, chunk):
             e = min(s + chunk, rows)
             logits = (hh[s:e] @ head.T).float()  # [c, N]
+            if bonus is not None and bonus_col is not None:
+                logits.scatter_add_(1, bonus_col[s:e, None], bonus[s:e, None].float())
+            if extra is not None:
+                logits = torch.cat([logits, extra[s:e, None].float()], 1)  # [c, N + 1]
             top = logits.amax(-1, keepdim=True)
             at_ids = logits.gather(1, ids[s:e])
             if metrics:
@@ -73,19 +94,42 @@ class _FusedHeadCE(torch.autograd.Function):
             z = logits.sum(-1)
             lse_c = z.log() + top.squeeze(-1)
             lse[s:e], picked[s:e] = lse_c, at_ids
-            total += (mass[s:e] * lse_c).sum() - (coef[s:e] * at_ids).sum()
+            weighted = torch.where(coef[s:e] != 0, coef[s:e] * at_ids, 0.0)  # an unused -inf entry adds 0
+            total += (mass[s:e] * lse_c).sum() - weighted.sum()
             if grad_h is not None:
                 logits.mul_((mass[s:e] / z)[:, None])  # softmax scaled by the row's mass
                 logits.scatter_add_(1, ids[s:e], -coef[s:e])
-                grad_h[s:e] = (logits.to(head.dtype) @ head).to(h.dtype)
-        ctx.save_for_backward(grad_h if grad_h is not None else torch.empty(0))
+                grad_h[s:e] = (logits[:, :n].to(head.dtype) @ head).to(h.dtype)
+            if grad_bonus is not None and bonus_col is not None:
+                grad_bonus[s:e] = logits.gather(1, bonus_col[s:e, None])[:, 0]
+            if grad_extra is not None:
+                grad_extra[s:e] = logits[:, n]
+        empty = torch.empty(0)
+        ctx.save_for_backward(
+            grad_h if grad_h is not None else empty,
+            grad_bonus if grad_bonus is not None else empty,
+            grad_extra if grad_extra is not None else empty,
+        )
+        ctx.has = (grad_h is not None, grad_bonus is not None, grad_extra is not None)
         ctx.mark_non_differentiable(lse, picked, pred, rank)
         return total, lse, picked, pred, rank
 
     @staticmethod
     def backward(ctx: Any, g_loss: torch.Tensor, *_: Any) -> tuple[Any, ...]:
-        (grad_h,) = ctx.saved_tensors
-        return grad_h * g_loss.to(grad_h.dtype), None, None, None, None, None
+        grad_h, grad_bonus, grad_extra = ctx.saved_tensors
+        has_h, has_bonus, has_extra = ctx.has
+        g = g_loss.float()
+        return (
+            grad_h * g_loss.to(grad_h.dtype) if has_h else None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            grad_bonus * g if has_bonus else None,
+            None,
+            grad_extra * g if has_extra else None,
+        )
 
 
 def fused_head_loss(
@@ -95,24 +139,43 @@ def fused_head_loss(
     coef: torch.Tensor,
     metrics: bool = False,
     chunk: int = DEFAULT_CHUNK,
+    bonus: torch.Tensor | None = None,
+    bonus_col: torch.Tensor | None = None,
+    extra: torch.Tensor | None = None,
 ) -> HeadLoss:
     """Weighted cross-entropy of ``h @ head.T`` against sparse targets, without materialising logits.
 
     Args:
         h: [R, D] hidden states (gradients flow to them).
         head: [N, D] frozen head weights (their dtype is the matmuls' dtype).
-        ids: [R, J] head indices of each row's target entries (any valid index where unused).
+        ids: [R, J] head indices of each row's target entries (any valid index where unused; N is
+            the ``extra`` column when given).
         coef: [R, J] float32 weight of each entry (0 where unused); the loss is normalised by the caller.
         metrics: also return the argmax and the rank of ``ids[:, 0]``.
         chunk: rows per chunk.
+        bonus: [R] added to the logit of column ``bonus_col`` [R] of each row (both or neither).
+        extra: [R] logit of column N of each row (-inf: none).
 
     Returns:
-        ``HeadLoss``.
+        ``HeadLoss`` (``pred`` and ``rank`` count column N where ``extra`` is given).
     """
     if ids.shape != coef.shape or ids.dim() != 2 or ids.shape[0] != h.shape[0]:
         raise ValueError(f"ids {tuple(ids.shape)} and coef {tuple(coef.shape)} must be [R, J] with R = {h.shape[0]}")
+    if (bonus is None) != (bonus_col is None):
+        raise ValueError("bonus and bonus_col go together")
+    for name, t in (("bonus", bonus), ("bonus_col", bonus_col), ("extra", extra)):
+        if t is not None and tuple(t.shape) != (h.shape[0],):
+            raise ValueError(f"{name} {tuple(t.shape)} must be [R] with R = {h.shape[0]}")
     with torch.autocast(h.device.type, enabled=False):
         loss, lse, picked, pred, rank = _FusedHeadCE.apply(
-            h, head, ids.to(h.device), coef.to(h.device, torch.float32), max(int(chunk), 1), metrics
+            h,
+            head,
+            ids.to(h.device),
+            coef.to(h.device, torch.float32),
+            max(int(chunk), 1),
+            metrics,
+            bonus,
+            bonus_col.to(h.device) if bonus_col is not None else None,
+            extra,
         )
     return HeadLoss(loss, lse, picked, pred if metrics else None, rank if metrics else None)

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.engine.drafter import DFlashDraftModel, load_draft_model, save_draft_model
+from runtime.engine.lookup import NgramIndex, block_copies
 from runtime.errors import ConfigError
 from runtime.train.data import Shard, load_shard
 from runtime.train.losses import fused_head_loss
@@ -36,6 +37,9 @@ from runtime.train.state import load_trainer_state, save_trainer_state
 
 Progress = Callable[[dict[str, Any]], None]
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+COPY_LR_SCALE = 100.0  # learning-rate multiplier of a drafter's copy_scale (see Trainer)
 
 
 @dataclass(frozen=True)
@@ -198,6 +202,7 @@ def build_batch(
     rng: random.Random,
     soft: Sequence[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
     targets: Sequence[torch.Tensor | None] | None = None,
+    copy_ngram: tuple[int, int] | None = None,
 ) -> dict[str, torch.Tensor] | None:
     """Pack sequences into one block-sparse training batch.
 
@@ -209,12 +214,16 @@ def build_batch(
             anchored at ``a`` is labelled with the target's choice for ``a+k`` only while the
             tokens ``a+1 .. a+k-1`` agree with the target's choices (what the target would verify
             after those drafts); later slots are ignored.
+        copy_ngram: with a drafter that has copy inputs, its n-gram sizes: each block also gets the
+            context lookup's proposal over the sequence's tokens up to its anchor, exactly as the
+            decoder computes it (``runtime.engine.lookup.block_copies``).
 
     Returns:
         ``features`` [B, C, n*D], ``block_ids`` [B, A*b], ``labels`` [B, A, b-1] (-100 = ignore),
         ``positions`` [B, C + A*b], ``mask`` [B, 1, A*b, C + A*b] (True = may attend), and with
-        ``soft``: ``soft_ids`` [B, A, b-1, k] (-1 = none) and ``soft_logp`` [B, A, b-1, k]; None
-        when no sequence has an answer token to anchor on.
+        ``soft``: ``soft_ids`` [B, A, b-1, k] (-1 = none) and ``soft_logp`` [B, A, b-1, k]; with
+        ``copy_ngram``: ``copy_ids`` / ``copy_n`` [B, A*b]; None when no sequence has an answer
+        token to anchor on.
     """
     b = block_size
     picked = []
@@ -249,8 +258,18 @@ def build_batch(
         k_top = soft_picked[0][0].shape[1]
         soft_ids = torch.full((n, a_max, b - 1, k_top), -1, dtype=torch.long)
         soft_logp = torch.zeros((n, a_max, b - 1, k_top), dtype=torch.float32)
+    if copy_ngram is not None:
+        copy_ids = torch.full((n, q), mask_id, dtype=torch.long)
+        copy_n = torch.zeros((n, q), dtype=torch.long)
     for i, (tokens, feats, chosen, tgt) in enumerate(picked):
         t = tokens.numel()
+        if copy_ngram is not None:  # the decoder's copy inputs: the context up to each anchor (sorted)
+            seq, index = tokens.tolist(), NgramIndex(*copy_ngram)
+            for j, a in enumerate(chosen):
+                index.extend(seq[len(index.tokens) : a + 1])
+                ids, matched = block_copies(index, b, mask_id)
+                copy_ids[i, j * b : (j + 1) * b] = torch.tensor(ids)
+                copy_n[i, j * b : (j + 1) * b] = torch.tensor(matched)
         if tgt is not None:
             agree = torch.cat([tokens == tgt, torch.zeros(b, dtype=torch.bool)])
         features[i, : t - 1] = feats[: t - 1]
@@ -278,6 +297,8 @@ def build_batch(
     out = {"features": features, "block_ids": block_ids, "labels": labels, "positions": positions, "mask": mask}
     if use_soft:
         out["soft_ids"], out["soft_logp"] = soft_ids, soft_logp
+    if copy_ngram is not None:
+        out["copy_ids"], out["copy_n"] = copy_ids, copy_n
     return out
 
 
@@ -341,6 +362,8 @@ class Trainer:
         self.vocab = DraftVocab(ids.cpu() if ids is not None else None, head_weight.shape[0])
         head = head_weight[ids.to(head_weight.device)] if ids is not None else head_weight
         self.head = head.to(self.device).contiguous()
+        # the copy inputs' pointer scores a proposal outside the draft vocabulary from the full head
+        self.full_head = head_weight if drafter.dflash.copy_ngram is not None else None
         if not config.bf16:  # float32 end to end (tests, exactness checks)
             self.head, self.embed = self.head.float(), self.embed.float()
         self.train_data, self.val_data = train, val
@@ -349,14 +372,21 @@ class Trainer:
         self.block = drafter.dflash.block_size
         self.mask_id = drafter.dflash.mask_token_id
         self.weights = slot_weights(self.block, config.gamma).to(self.device)
-        params = [p for p in self.drafter.parameters() if p.requires_grad]
+        self.copy_ngram = drafter.dflash.copy_ngram
+        copy = [p for p in (drafter.copy_scale, drafter.copy_bias) if p is not None and p.requires_grad]
+        params = [p for p in self.drafter.parameters() if p.requires_grad and all(p is not c for c in copy)]
+        # copy_scale starts at 0 and must grow to tens (embeddings have norm ~0.5), copy_bias to a few
+        # logits: COPY_LR_SCALE x the lr, no weight decay
+        groups: list[dict[str, Any]] = [{"params": params, "lr_scale": 1.0}]
+        if copy:
+            groups.append({"params": copy, "lr_scale": COPY_LR_SCALE, "weight_decay": 0.0})
         # fused AdamW (one kernel per step) where this torch build has it for the device
         try:
             self.opt = torch.optim.AdamW(
-                params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay, fused=True
+                groups, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay, fused=True
             )
         except (RuntimeError, TypeError, ValueError):
-            self.opt = torch.optim.AdamW(params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
+            self.opt = torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
         self._last_acc: list[float] = []
         self.state = TrainState()
         self.rng = random.Random(config.seed)
@@ -399,6 +429,9 @@ class Trainer:
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
             ctx = self.drafter.fuse_context(feats)
             emb = F.embedding(block_ids, self.embed)
+            if "copy_ids" in batch:
+                copies = F.embedding(batch["copy_ids"].to(dev), self.embed)
+                emb = emb + self.drafter.copy_inputs(copies, batch["copy_n"].to(dev))
             h = self.drafter(emb, ctx, batch["positions"].to(dev), mask=batch["mask"].to(dev))
             h = h.view(n, a, self.block, -1)[:, :, 1:]  # slots 1..b-1
         rows = h.reshape(-1, h.shape[-1])
@@ -414,7 +447,26 @@ class Trainer:
             mix = self.cfg.soft_weight if use_soft else 0.0  # 0: soft metrics only
             ids = torch.cat([ids, s_idx], 1)
             coef = torch.cat([coef * (1.0 - mix), s_coef * mix], 1)
-        out_h = fused_head_loss(rows, self.head, ids, coef, metrics=metrics)
+        pointer: dict[str, torch.Tensor] = {}
+        extra_ids: torch.Tensor | None = None
+        if "copy_ids" in batch and self.drafter.copy_bias is not None:
+            pointer, extra_ids, target = self._pointer(batch, rows, target, labels)
+            valid = (target >= 0).float()
+            hard_coef = w * valid / (w * valid).sum().clamp(min=1e-6)
+            ids, coef = target.clamp(min=0)[:, None], hard_coef[:, None]
+            if soft_parts is not None:
+                ids = torch.cat([ids, soft_parts[0]], 1)
+                coef = torch.cat([coef * (1.0 - mix), soft_parts[1] * mix], 1)
+        out_h = fused_head_loss(
+            rows,
+            self.head,
+            ids,
+            coef,
+            metrics=metrics,
+            bonus=pointer.get("bonus"),
+            bonus_col=pointer.get("bonus_col"),
+            extra=pointer.get("extra"),
+        )
         loss = out_h.loss  # with --distill hard the soft entries weigh 0: they only feed the metrics
         if not metrics:
             return loss, {}
@@ -426,7 +478,7 @@ class Trainer:
                 soft = float((s_coef.sum(-1) * out_h.lse).sum() - (s_coef * out_h.picked[:, 1:]).sum())
                 out["soft"], out["kl"] = soft, soft - float(entropy)
             assert out_h.pred is not None and out_h.rank is not None
-            full_pred = self.drafter_ids(out_h.pred).view(n, a, self.block - 1)
+            full_pred = self.drafter_ids(out_h.pred, extra_ids).view(n, a, self.block - 1)
             correct = (full_pred == labels) & (labels >= 0)
             present = labels >= 0
             # rank of the target's token among the draft logits (a huge rank when outside the draft vocab)
@@ -461,10 +513,43 @@ class Trainer:
         entropy = (-(q * q.clamp(min=1e-12).log()).sum(-1) * row).sum()
         return idx.clamp(min=0).to(self.device), q * row[:, None], entropy
 
-    def drafter_ids(self, idx: torch.Tensor) -> torch.Tensor:
-        """Draft-head indices -> full-vocab ids."""
+    def drafter_ids(self, idx: torch.Tensor, extra_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Draft-head indices [R] -> full-vocab ids (index N: the row's ``extra_ids``, the copy
+        proposal outside the draft vocabulary)."""
         ids = self.drafter.draft_vocab_ids
-        return ids.to(idx.device)[idx] if ids is not None else idx
+        if ids is None:
+            return idx
+        table = ids.to(idx.device)
+        full = table[idx.clamp(max=table.numel() - 1)]
+        if extra_ids is not None:
+            full = torch.where(idx == table.numel(), extra_ids.to(idx.device), full)
+        return full
+
+    def _pointer(
+        self, batch: dict[str, torch.Tensor], rows: torch.Tensor, target: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None, torch.Tensor]:
+        """The copy inputs' pointer as ``fused_head_loss`` arguments (``DFlashDraftModel.copy_bias``):
+        each slot's proposal gets the bias of its n-gram size at its column, or, outside the draft
+        vocabulary, one more column scored from the full head. Returns those arguments, the full id
+        of that column per row (None with the full vocabulary) and the head-index targets, where a
+        label outside the draft vocabulary that the proposal names is now column N."""
+        assert self.drafter.copy_bias is not None and self.full_head is not None
+        dev, n_slots = self.device, self.block
+        cid = batch["copy_ids"].view(-1, n_slots)[:, 1:].reshape(-1).to(dev)  # [R] slots 1..b-1
+        cn = batch["copy_n"].view(-1, n_slots)[:, 1:].reshape(-1).to(dev)
+        bias = self.drafter.copy_logit_bias(cn)  # [R] float32, 0 without a match
+        col = self.vocab.map(cid.cpu()).to(dev)
+        has = cn > 0
+        if self.drafter.draft_vocab_ids is None:
+            return {"bonus": bias, "bonus_col": cid}, None, target
+        inside, outside = has & (col >= 0), has & (col < 0)
+        args = {"bonus": torch.where(inside, bias, torch.zeros_like(bias)), "bonus_col": col.clamp(min=0)}
+        weights = self.full_head[cid.to(self.full_head.device)].to(dev, torch.float32)  # [R, D]
+        score = (rows.float() * weights).sum(-1) + bias
+        args["extra"] = torch.where(outside, score, torch.full_like(score, float("-inf")))
+        flat = labels.reshape(-1).to(dev)
+        named = outside & (target < 0) & (flat == cid) & (flat >= 0)
+        return args, cid, torch.where(named, torch.full_like(target, self.head.shape[0]), target)
 
     @staticmethod
     def coverage_metrics(
@@ -513,10 +598,12 @@ class Trainer:
             seqs = [self.train_data.get(i, self.cfg.max_len) for i in picks]
             soft = [self.train_data.get_topk(i, self.cfg.max_len) for i in picks] if self._soft else None
             targets = [self.train_data.get_labels(i, self.cfg.max_len) for i in picks]
-            batch = build_batch(seqs, self.cfg.anchors, self.block, self.mask_id, self.rng, soft, targets)
+            batch = build_batch(
+                seqs, self.cfg.anchors, self.block, self.mask_id, self.rng, soft, targets, self.copy_ngram
+            )
         lr = self.lr_at(self.progress())
         for g in self.opt.param_groups:
-            g["lr"] = lr
+            g["lr"] = lr * g.get("lr_scale", 1.0)
         loss, m = self._forward(batch, metrics=self.state.step % 10 == 0)  # argmax metrics every 10th step
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -567,7 +654,7 @@ class Trainer:
                 seqs = [data.get(j, self.cfg.max_len) for j in pick]
                 soft = [data.get_topk(j, self.cfg.max_len) for j in pick] if data.has_topk else None
                 targets = [data.get_labels(j, self.cfg.max_len) for j in pick]
-                b = build_batch(seqs, self.cfg.anchors, self.block, self.mask_id, rng, soft, targets)
+                b = build_batch(seqs, self.cfg.anchors, self.block, self.mask_id, rng, soft, targets, self.copy_ngram)
                 if b is not None:
                     batches.append(b)
             self._val_batches[name] = batches
