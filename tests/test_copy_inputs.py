@@ -238,9 +238,13 @@ def test_copy_ngram_round_trips_and_is_validated(pair, tmp_path):
         load_draft_model(tmp_path / "d")
 
 
-def test_cli_trains_resumes_and_exports_copy_inputs(tmp_path):
-    """``dflash train --copy-inputs`` on a tiny target: the exported drafter has trained copy scales,
-    the card says so, a resume keeps them, and the drafter runs losslessly in ``dflash run``."""
+@pytest.mark.parametrize(
+    ("flags", "ngram"), [(["--copy-inputs"], (1, 4)), (["--copy-ngram", "2,6", "--copy-lr", "0.02"], (2, 6))]
+)
+def test_cli_trains_resumes_and_exports_copy_inputs(tmp_path, flags, ngram):
+    """``dflash train --copy-inputs`` (or ``--copy-ngram``) on a tiny target: the exported drafter has
+    trained copy scales, the card says so, a resume keeps them, and the drafter runs losslessly in
+    ``dflash run``."""
     from runtime import ModelRef, RuntimeConfig, load_pipeline
     from runtime.train.api import DataSpec, prepare_data
     from tests.fakes import save_pair
@@ -253,11 +257,12 @@ def test_cli_trains_resumes_and_exports_copy_inputs(tmp_path):
     out = tmp_path / "run"
     base = ["train", "--target", str(target_dir), "--data", str(data), "--out", str(out), "--no-eval"]
     base += ["--no-ood-eval", "--dtype", "float32", "--anchors", "8", "--draft-vocab", "full"]
-    r = CliRunner().invoke(app, [*base, "--from-drafter", str(source), "--copy-inputs", "--steps", "30"])
+    r = CliRunner().invoke(app, [*base, "--from-drafter", str(source), *flags, "--steps", "30"])
     assert r.exit_code == 0, r.output
     d = load_draft_model(out / "drafter", "cpu", torch.float32)
-    assert d.dflash.copy_ngram == (1, 4) and d.copy_scale is not None and d.copy_scale[1:].abs().sum() > 0
-    assert "copy inputs: each slot also sees the token a 1-4-gram lookup" in (out / "drafter" / "README.md").read_text()
+    assert d.dflash.copy_ngram == ngram and d.copy_scale is not None and d.copy_scale[ngram[0] :].abs().sum() > 0
+    card = (out / "drafter" / "README.md").read_text()
+    assert f"copy inputs: each slot also sees the token a {ngram[0]}-{ngram[1]}-gram lookup" in card
     r = CliRunner().invoke(
         app,
         [
@@ -278,7 +283,7 @@ def test_cli_trains_resumes_and_exports_copy_inputs(tmp_path):
     )
     assert r.exit_code == 0, r.output
     resumed = load_draft_model(out / "drafter", "cpu", torch.float32)
-    assert resumed.dflash.copy_ngram == (1, 4) and not torch.equal(resumed.copy_scale, d.copy_scale)
+    assert resumed.dflash.copy_ngram == ngram and not torch.equal(resumed.copy_scale, d.copy_scale)
     prompt = "def fib(n):"
     runs = [
         CliRunner().invoke(
@@ -302,3 +307,71 @@ def test_cli_trains_resumes_and_exports_copy_inputs(tmp_path):
     ]
     assert runs[0].exit_code == 0 and runs[1].exit_code == 0, runs[0].output + runs[1].output
     assert runs[0].stdout == runs[1].stdout
+
+
+@pytest.mark.parametrize("copy_lr", [None, 5e-2])
+def test_copy_inputs_learn_at_their_own_rate(pair, copy_lr):
+    """``TrainConfig.copy_lr`` (``--copy-lr``) is the copy inputs' peak rate on the run's schedule;
+    by default 100 x ``lr``; the drafter's layers keep ``lr``. A bad value is a ConfigError."""
+    from runtime.train.trainer import COPY_LR_SCALE, TrainConfig, Trainer
+
+    model, _ = pair
+    d = _pointer_drafter(model, 0.0)
+    embed = model.get_input_embeddings().weight.detach()
+    head = model.get_output_embeddings().weight.detach()
+    cfg = TrainConfig(steps=10, bf16=False, lr=1e-4, copy_lr=copy_lr, warmup=0.0)
+    seq, feats = torch.tensor([3, 8, 5, 12] * 10), torch.randn(40, 3 * model.config.hidden_size)
+
+    class OneSequence:  # the trainer's view of a dataset, with one sequence
+        has_topk = False
+
+        def __len__(self):
+            return 1
+
+        def get(self, i, max_len):
+            return seq, feats, 4
+
+        def get_topk(self, i, max_len):
+            return None
+
+        def get_labels(self, i, max_len):
+            return None
+
+    tr = Trainer(d, embed, head, OneSequence(), None, cfg, "unused", "cpu")
+    tr.step()
+    rates = {id(p): g["lr"] for g in tr.opt.param_groups for p in g["params"]}
+    body = rates[id(next(d.layers.parameters()))]
+    want = (copy_lr if copy_lr is not None else COPY_LR_SCALE * 1e-4) / 1e-4
+    assert rates[id(d.copy_bias)] == pytest.approx(body * want)
+    assert rates[id(d.copy_scale)] == pytest.approx(body * want)
+    with pytest.raises(ConfigError, match="copy_lr"):
+        TrainConfig(steps=1, copy_lr=0.0)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("4,1", "1 <= shortest <= longest <= 16"),
+        ("0,3", "1 <= shortest"),
+        ("1-4", "SHORTEST,LONGEST"),
+        ("2", "SHORTEST"),
+    ],
+)
+def test_cli_rejects_bad_copy_ngram_before_loading_anything(tmp_path, value, message):
+    r = CliRunner().invoke(
+        app,
+        [
+            "train",
+            "--out",
+            str(tmp_path / "run"),
+            "--target",
+            str(tmp_path / "none"),
+            "--steps",
+            "1",
+            "--copy-ngram",
+            value,
+        ],
+    )
+    assert r.exit_code == 2, r.output
+    assert message in " ".join(r.output.split())
+    assert not (tmp_path / "run").exists()  # nothing written

@@ -151,6 +151,14 @@ def train(
             "until trained.",
         ),
     ] = False,
+    copy_ngram: Annotated[
+        str | None,
+        typer.Option(
+            "--copy-ngram",
+            help="Shortest,longest context n-gram the copy inputs match (default 1,4; longer matches are tried "
+            "first and get their own learnt weights). Implies --copy-inputs.",
+        ),
+    ] = None,
     eval_every: Annotated[
         int, typer.Option("--eval-every", help="Steps between held-out evaluations (OUT/eval.jsonl).")
     ] = 200,
@@ -160,6 +168,14 @@ def train(
     steps: Annotated[int | None, typer.Option("--steps", help="Optimiser steps.")] = None,
     time_budget: Annotated[str | None, typer.Option("--time-budget", help="Wall-clock budget, e.g. 45m, 2h.")] = None,
     lr: Annotated[float, typer.Option("--lr", help="Peak learning rate.")] = 1e-3,
+    copy_lr: Annotated[
+        float | None,
+        typer.Option(
+            "--copy-lr",
+            help="Peak learning rate of the copy inputs (default 100 x --lr); with a low --lr they learn while "
+            "the drafter's layers move little.",
+        ),
+    ] = None,
     anchors: Annotated[int, typer.Option("--anchors", help="Blocks per sequence per step.")] = 48,
     seqs_per_step: Annotated[int, typer.Option("--seqs-per-step", help="Sequences per step.")] = 2,
     max_len: Annotated[int, typer.Option("--max-len", help="Tokens per training sequence.")] = 640,
@@ -217,6 +233,7 @@ def train(
     vocab_choice = _draft_vocab(draft_vocab)
     if distill not in ("hard", "soft"):
         raise typer.BadParameter(f"--distill must be hard or soft, got {distill!r}")
+    ngram = _ngram_sizes(copy_ngram) if copy_ngram is not None else COPY_NGRAM if copy_inputs else None
     if init not in ("random", "target"):
         raise typer.BadParameter(f"--init must be random or target, got {init!r}")
     if precision not in ("auto", "bf16", "fp32"):
@@ -256,12 +273,13 @@ def train(
         init=init,
         from_drafter=source,
         grow_to=layers if source is not None else None,
-        copy_ngram=COPY_NGRAM if copy_inputs else None,
+        copy_ngram=ngram,
     )
     cfg = None
     if not data_only and (steps is not None or budget is not None):  # --resume alone keeps the run's schedule
         given: dict[str, Any] = {
             "lr": lr,
+            "copy_lr": copy_lr,
             "anchors": anchors,
             "seqs_per_step": seqs_per_step,
             "max_len": max_len,
@@ -775,6 +793,18 @@ def _side_by_side(pipe: Any, evaluation: dict[str, Any]) -> list[str]:
             )
         lines.append(row("OOV share", lambda n: f"{tf[n]['oov_share']:.1%}"))
     return lines
+
+
+def _ngram_sizes(text: str) -> tuple[int, int]:
+    """``--copy-ngram`` "SHORTEST,LONGEST" -> (shortest, longest), 1 <= shortest <= longest <= 16."""
+    parts = text.split(",")
+    try:
+        lo, hi = (int(p) for p in parts)
+    except ValueError:
+        raise typer.BadParameter(f"--copy-ngram takes SHORTEST,LONGEST like 1,4, got {text!r}") from None
+    if not 1 <= lo <= hi <= 16:
+        raise typer.BadParameter(f"--copy-ngram needs 1 <= shortest <= longest <= 16, got {text!r}")
+    return lo, hi
 
 
 def _copy_lines(drafter: Any) -> list[str]:

@@ -39,7 +39,7 @@ Progress = Callable[[dict[str, Any]], None]
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
 
-COPY_LR_SCALE = 100.0  # learning-rate multiplier of a drafter's copy_scale (see Trainer)
+COPY_LR_SCALE = 100.0  # default learning-rate multiplier of a drafter's copy inputs (TrainConfig.copy_lr)
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,9 @@ class TrainConfig:
         bf16: autocast matmuls to bfloat16.
         distill: "hard" (greedy labels only) or "soft" (plus the stored top-k distribution).
         soft_weight: share of the soft term in the loss when ``distill`` is "soft".
+        copy_lr: peak learning rate of a drafter's copy inputs (``copy_scale``, ``copy_bias``; they
+            start at 0 and must grow to several units), or None for ``COPY_LR_SCALE`` x ``lr``.
+            A low ``lr`` with a high ``copy_lr`` teaches the copy inputs while the layers move little.
     """
 
     seqs_per_step: int = 2
@@ -84,8 +87,11 @@ class TrainConfig:
     bf16: bool = True
     distill: str = "hard"
     soft_weight: float = 0.5
+    copy_lr: float | None = None
 
     def __post_init__(self) -> None:
+        if self.copy_lr is not None and not self.copy_lr > 0:
+            raise ConfigError(f"copy_lr must be > 0, got {self.copy_lr}")
         if self.distill not in ("hard", "soft"):
             raise ConfigError(f"distill must be 'hard' or 'soft', got {self.distill!r}")
         if not 0.0 <= self.soft_weight <= 1.0:
@@ -375,11 +381,12 @@ class Trainer:
         self.copy_ngram = drafter.dflash.copy_ngram
         copy = [p for p in (drafter.copy_scale, drafter.copy_bias) if p is not None and p.requires_grad]
         params = [p for p in self.drafter.parameters() if p.requires_grad and all(p is not c for c in copy)]
-        # copy_scale starts at 0 and must grow to tens (embeddings have norm ~0.5), copy_bias to a few
-        # logits: COPY_LR_SCALE x the lr, no weight decay
+        # copy_scale and copy_bias start at 0 and must grow to several units: their own (by default
+        # COPY_LR_SCALE x larger) learning rate on the same schedule, no weight decay
         groups: list[dict[str, Any]] = [{"params": params, "lr_scale": 1.0}]
         if copy:
-            groups.append({"params": copy, "lr_scale": COPY_LR_SCALE, "weight_decay": 0.0})
+            scale = config.copy_lr / config.lr if config.copy_lr is not None else COPY_LR_SCALE
+            groups.append({"params": copy, "lr_scale": scale, "weight_decay": 0.0})
         # fused AdamW (one kernel per step) where this torch build has it for the device
         try:
             self.opt = torch.optim.AdamW(
