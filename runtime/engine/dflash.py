@@ -18,7 +18,7 @@ from runtime.config import SamplingParams
 from runtime.engine.acceptance import accept_prefix
 from runtime.engine.decoder import CancelToken, StatsRecorder
 from runtime.engine.detok import TextAssembler, TokenizerLike
-from runtime.engine.drafter import DFlashDraftModel, DraftLayer
+from runtime.engine.drafter import DFlashDraftModel, DraftLayer, draft_columns_to_ids
 from runtime.engine.events import (
     BlockVerified,
     DecodeEvent,
@@ -124,14 +124,7 @@ class DraftHead:
 
     def to_ids(self, columns: torch.Tensor, extra_ids: torch.Tensor | None) -> torch.Tensor:
         """Columns [K, ...] of ``logits`` (or ``with_copies``' logits) -> full ids."""
-        if self.ids is None:
-            return columns
-        n = self.ids.numel()
-        ids = self.ids[columns.clamp(max=n - 1)]
-        if extra_ids is None:
-            return ids
-        shape = (-1,) + (1,) * (columns.dim() - 1)
-        return torch.where(columns == n, extra_ids.view(shape).expand_as(columns), ids)
+        return draft_columns_to_ids(columns, self.ids, extra_ids)
 
 
 class _Plain:

@@ -524,6 +524,28 @@ def save_draft_model(model: DFlashDraftModel, path: str | Path, extra_config: di
     (folder / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
+def draft_columns_to_ids(
+    columns: torch.Tensor, vocab_ids: torch.Tensor | None, extra_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Columns of a drafter's head -> full-vocabulary ids.
+
+    Args:
+        columns: [K, ...] column indices; with a reduced draft vocabulary, index V_d is the copy
+            inputs' extra column (``DraftHead.with_copies``).
+        vocab_ids: [V_d] full id of each column (``draft_vocab_ids``), or None for the full vocabulary.
+        extra_ids: [K] full id of row k's extra column, or None when there is none.
+    """
+    if vocab_ids is None:
+        return columns
+    table = vocab_ids.to(columns.device)
+    n = table.numel()
+    ids = table[columns.clamp(max=n - 1)]
+    if extra_ids is None:
+        return ids
+    extra = extra_ids.to(ids.device).view((-1,) + (1,) * (columns.dim() - 1)).expand_as(columns)
+    return torch.where(columns == n, extra, ids)
+
+
 def add_copy_inputs(model: DFlashDraftModel, ngram: tuple[int, int]) -> DFlashDraftModel:
     """Give a drafter copy inputs (``DFlashDraftModel.copy_inputs``) for ``ngram`` context matches.
 

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.engine.drafter import draft_columns_to_ids
+
 
 @dataclass(frozen=True)
 class DraftTree:
@@ -68,13 +70,7 @@ def slot_candidates(
     if logprobs.ndim != 2 or logprobs.shape[0] == 0 or width <= 0:
         return [], []
     top = torch.topk(logprobs.float(), min(width, int(logprobs.shape[1])), dim=-1)  # [D, w]
-    if vocab_ids is None:
-        return top.values.tolist(), top.indices.tolist()
-    table = vocab_ids.to(top.indices.device)
-    ids = table[top.indices.clamp(max=table.numel() - 1)]
-    if extra_ids is not None:
-        ids = torch.where(top.indices == table.numel(), extra_ids.to(ids.device)[:, None].expand_as(ids), ids)
-    return top.values.tolist(), ids.tolist()
+    return top.values.tolist(), draft_columns_to_ids(top.indices, vocab_ids, extra_ids).tolist()
 
 
 def tree_from_candidates(

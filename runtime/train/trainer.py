@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from runtime.engine.drafter import DFlashDraftModel, load_draft_model, save_draft_model
+from runtime.engine.drafter import DFlashDraftModel, draft_columns_to_ids, load_draft_model, save_draft_model
 from runtime.engine.lookup import NgramIndex, block_copies
 from runtime.errors import ConfigError
 from runtime.train.data import Shard, load_shard
@@ -443,6 +443,11 @@ class Trainer:
             h = h.view(n, a, self.block, -1)[:, :, 1:]  # slots 1..b-1
         rows = h.reshape(-1, h.shape[-1])
         target = self.vocab.map(labels.cpu()).to(dev).view(-1)
+        pointer: dict[str, torch.Tensor] = {}
+        extra_ids: torch.Tensor | None = None
+        if "copy_ids" in batch and self.drafter.copy_bias is not None:
+            # the pointer's extra column makes some labels outside the draft vocabulary trainable
+            pointer, extra_ids, target = self._pointer(batch, rows, target, labels)
         w = self.weights.repeat(n * a)
         valid = (target >= 0).float()
         hard_coef = w * valid / (w * valid).sum().clamp(min=1e-6)
@@ -454,16 +459,6 @@ class Trainer:
             mix = self.cfg.soft_weight if use_soft else 0.0  # 0: soft metrics only
             ids = torch.cat([ids, s_idx], 1)
             coef = torch.cat([coef * (1.0 - mix), s_coef * mix], 1)
-        pointer: dict[str, torch.Tensor] = {}
-        extra_ids: torch.Tensor | None = None
-        if "copy_ids" in batch and self.drafter.copy_bias is not None:
-            pointer, extra_ids, target = self._pointer(batch, rows, target, labels)
-            valid = (target >= 0).float()
-            hard_coef = w * valid / (w * valid).sum().clamp(min=1e-6)
-            ids, coef = target.clamp(min=0)[:, None], hard_coef[:, None]
-            if soft_parts is not None:
-                ids = torch.cat([ids, soft_parts[0]], 1)
-                coef = torch.cat([coef * (1.0 - mix), soft_parts[1] * mix], 1)
         out_h = fused_head_loss(
             rows,
             self.head,
@@ -523,14 +518,7 @@ class Trainer:
     def drafter_ids(self, idx: torch.Tensor, extra_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Draft-head indices [R] -> full-vocab ids (index N: the row's ``extra_ids``, the copy
         proposal outside the draft vocabulary)."""
-        ids = self.drafter.draft_vocab_ids
-        if ids is None:
-            return idx
-        table = ids.to(idx.device)
-        full = table[idx.clamp(max=table.numel() - 1)]
-        if extra_ids is not None:
-            full = torch.where(idx == table.numel(), extra_ids.to(idx.device), full)
-        return full
+        return draft_columns_to_ids(idx, self.drafter.draft_vocab_ids, extra_ids)
 
     def _pointer(
         self, batch: dict[str, torch.Tensor], rows: torch.Tensor, target: torch.Tensor, labels: torch.Tensor
