@@ -166,20 +166,11 @@ def train(
         typer.Option(
             "--calibrate-copy",
             metavar="DATASET|FILE",
-            help="After training (or with --eval-only), scale the copy pointer's bias by the factor (0-4) that "
-            "maximises teacher-forced tau on the target's answers to these prompts: a bench dataset name (e.g. "
-            "chat-coding) or a prompts file. Use requests like yours and unlike the evaluation sets (ood-chat is "
-            "refused).",
+            help="After training (or with --eval-only), scale the copy pointer's bias by the factor that maximises "
+            "teacher-forced tau on the target's answers to these prompts: a bench dataset name (e.g. chat-coding) "
+            "or a prompts file. Use requests like yours and unlike the evaluation sets (ood-chat is refused).",
         ),
     ] = None,
-    calibrate_for: Annotated[
-        str,
-        typer.Option(
-            "--calibrate-for",
-            help="What --calibrate-copy maximises: lookup (the runtime's default decoding, where the context "
-            "lookup's own copy is verified next to the draft) or chain (the drafter alone, for --lookups 0).",
-        ),
-    ] = "lookup",
     eval_every: Annotated[
         int, typer.Option("--eval-every", help="Steps between held-out evaluations (OUT/eval.jsonl).")
     ] = 200,
@@ -249,9 +240,7 @@ def train(
     from runtime.train.trainer import TrainConfig
 
     budget = _duration(time_budget)
-    if calibrate_for not in ("lookup", "chain"):
-        raise typer.BadParameter(f"--calibrate-for must be lookup or chain, got {calibrate_for!r}")
-    calibration = _calibration_prompts(calibrate_copy, calibrate_for) if calibrate_copy is not None else None
+    calibration = _calibration_prompts(calibrate_copy) if calibrate_copy is not None else None
     if eval_only:
         if calibration is not None:
             _need_copy_inputs(out / "checkpoint", None, None, True)
@@ -498,7 +487,7 @@ def _eval_only(
     eval_prompts: int,
     eval_tokens: int,
     ood_eval: bool = True,
-    calibration: tuple[str, str, list[Any], str] | None = None,
+    calibration: tuple[str, str, list[Any]] | None = None,
 ) -> None:
     """Evaluate the last checkpoint of a run (after calibrating its copy pointer, with
     ``calibration``) and export it with a fresh model card."""
@@ -538,9 +527,8 @@ def _eval_only(
     print(path)
 
 
-def _calibration_prompts(text: str, objective: str = "lookup") -> tuple[str, str, list[Any], str]:
-    """--calibrate-copy: a bench dataset name or a prompts file -> (name, folder slug, TrainPrompts,
-    ``objective``).
+def _calibration_prompts(text: str) -> tuple[str, str, list[Any]]:
+    """--calibrate-copy: a bench dataset name or a prompts file -> (name, folder slug, TrainPrompts).
     The OOD evaluation set and prompts from it are refused: calibrating on them would make the OOD
     evaluation optimistic."""
     import re
@@ -570,7 +558,7 @@ def _calibration_prompts(text: str, objective: str = "lookup") -> tuple[str, str
         for p in pset.prompts
     ]
     slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "prompts"
-    return name, slug, prompts, objective
+    return name, slug, prompts
 
 
 def _need_copy_inputs(ckpt: Path, source: Path | None, ngram: tuple[int, int] | None, resume: bool) -> None:
@@ -591,7 +579,7 @@ def _need_copy_inputs(ckpt: Path, source: Path | None, ngram: tuple[int, int] | 
 def _calibrate(
     pipe: Any,
     out: Path,
-    calibration: tuple[str, str, list[Any], str],
+    calibration: tuple[str, str, list[Any]],
     taps: list[int],
     bf16: bool,
     say: Callable[[str], None],
@@ -600,7 +588,7 @@ def _calibrate(
     """Build the calibration set (the target's answers, once) and calibrate OUT/checkpoint on it."""
     from runtime.train.api import calibrate_checkpoint, prepare_eval_data
 
-    name, slug, prompts, objective = calibration
+    name, slug, prompts = calibration
     say(f"copy calibration set: the target's answers to {len(prompts)} prompts of {name}")
     dest = prepare_eval_data(
         pipe.target,
@@ -611,10 +599,10 @@ def _calibrate(
         prompts=prompts,
         max_new_tokens=answer_tokens,
     )
-    rec = calibrate_checkpoint(pipe.target, out / "checkpoint", dest, name, pipe.device, bf16, objective)
+    rec = calibrate_checkpoint(pipe.target, out / "checkpoint", dest, name, pipe.device, bf16)
     say(
-        f"copy pointer calibrated on {name} ({rec['positions']} positions, objective {objective}): "
-        f"bias x {rec['scale']:g}, teacher-forced tau {rec['tau_before']:.3f} -> {rec['tau_after']:.3f}, "
+        f"copy pointer calibrated on {name} ({rec['positions']} positions): bias x {rec['scale']:g}, "
+        f"teacher-forced tau {rec['tau_tf_before']:.3f} -> {rec['tau_tf_after']:.3f}, "
         f"slot-1 top-1 {rec['slot1_before']:.1%} -> {rec['slot1_after']:.1%}"
     )
 
@@ -951,10 +939,10 @@ def _calibration_lines(rec: dict[str, Any] | None) -> list[str]:
     if not rec:
         return []
     return [
-        f"- copy pointer calibrated on {rec['prompts']} (`--calibrate-copy`, objective {rec['objective']}, "
-        f"{rec['positions']} slot-1 positions of the target's answers): every matched size's bias multiplied by "
-        f"{rec['scale']:g} (x {rec.get('total_scale', rec['scale']):g} over all calibrations), teacher-forced tau "
-        f"{rec['tau_before']:.3f} -> {rec['tau_after']:.3f}, slot-1 top-1 {rec['slot1_before']:.1%} -> "
+        f"- copy pointer calibrated on {rec['prompts']} (`--calibrate-copy`, {rec['positions']} slot-1 positions of "
+        f"the target's answers): every matched size's bias multiplied by {rec['scale']:g} "
+        f"(x {rec.get('total_scale', rec['scale']):g} over all calibrations), teacher-forced tau "
+        f"{rec['tau_tf_before']:.3f} -> {rec['tau_tf_after']:.3f}, slot-1 top-1 {rec['slot1_before']:.1%} -> "
         f"{rec['slot1_after']:.1%}"
     ]
 

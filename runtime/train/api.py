@@ -419,7 +419,6 @@ def calibrate_checkpoint(
     prompts: str,
     device: str | torch.device = "cpu",
     bf16: bool = False,
-    objective: str = "lookup",
 ) -> dict[str, Any]:
     """Calibrate the copy pointer of the drafter in a run's ``checkpoint/`` on a calibration set
     (``runtime.train.calibrate``) and write it back, recording the result (and the product of the
@@ -432,17 +431,16 @@ def calibrate_checkpoint(
         prompts: what the calibration prompts are, for the record (a dataset name or file name).
         device: where to score.
         bf16: autocast matmuls to bfloat16 while scoring.
-        objective: "lookup" or "chain" (``calibrate_copy``).
 
     Raises:
-        ConfigError: the drafter has no copy inputs, or an unknown objective.
+        ConfigError: the drafter has no copy inputs.
     """
     from runtime.train.calibrate import calibrate_copy
 
     drafter = load_draft_model(ckpt, "cpu", torch.float32)
     embed, head, _ = frozen_weights(target)
     data = open_eval_set(data_dir, list(drafter.dflash.target_layer_ids), target.hidden_size)
-    record = calibrate_copy(drafter, embed, head, data, device, bf16, objective=objective)
+    record = calibrate_copy(drafter, embed, head, data, device, bf16)
     training = dict(drafter.config.raw.get("dflash_training") or {})
     earlier = float((training.get("copy_calibration") or {}).get("total_scale", 1.0))
     record = {"prompts": prompts, **record, "total_scale": round(earlier * record["scale"], 6)}
