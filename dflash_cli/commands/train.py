@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shlex
 import sys
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -161,16 +159,6 @@ def train(
             "first and get their own learnt weights). Implies --copy-inputs.",
         ),
     ] = None,
-    calibrate_copy: Annotated[
-        str | None,
-        typer.Option(
-            "--calibrate-copy",
-            metavar="DATASET|FILE",
-            help="After training (or with --eval-only), scale the copy pointer's bias by the factor that maximises "
-            "teacher-forced tau on the target's answers to these prompts: a bench dataset name (e.g. chat-coding) "
-            "or a prompts file. Use requests like yours and unlike the evaluation sets (ood-chat is refused).",
-        ),
-    ] = None,
     eval_every: Annotated[
         int, typer.Option("--eval-every", help="Steps between held-out evaluations (OUT/eval.jsonl).")
     ] = 200,
@@ -240,13 +228,8 @@ def train(
     from runtime.train.trainer import TrainConfig
 
     budget = _duration(time_budget)
-    calibration = _calibration_prompts(calibrate_copy) if calibrate_copy is not None else None
     if eval_only:
-        if calibration is not None:
-            _need_copy_inputs(out / "checkpoint", None, None, True)
-        return _eval_only(
-            out, model, target, device, dtype, offline, threads, eval_prompts, eval_tokens, ood_eval, calibration
-        )
+        return _eval_only(out, model, target, device, dtype, offline, threads, eval_prompts, eval_tokens, ood_eval)
     vocab_choice = _draft_vocab(draft_vocab)
     if distill not in ("hard", "soft"):
         raise typer.BadParameter(f"--distill must be hard or soft, got {distill!r}")
@@ -280,8 +263,6 @@ def train(
         tap_ids = src_taps
     if layers is not None and layers < 1:
         raise typer.BadParameter(f"--layers must be >= 1, got {layers}")
-    if calibration is not None and not data_only:
-        _need_copy_inputs(out / "checkpoint", source, ngram, resume)
     spec = DrafterSpec(
         num_layers=layers or 1,
         block_size=block_size,
@@ -384,8 +365,6 @@ def train(
         eval_sets=eval_sets,
         extra_data=extra_data or [],
     )
-    if calibration is not None:
-        _calibrate(pipe, out, calibration, list(data_taps), trainer.cfg.bf16, say, answer_tokens)
     evaluation = None
     if not no_eval and eval_prompts > 0:
         evaluation = _evaluate(pipe, session, out, eval_prompts, eval_tokens, say, data_dir, ood_eval)
@@ -487,10 +466,8 @@ def _eval_only(
     eval_prompts: int,
     eval_tokens: int,
     ood_eval: bool = True,
-    calibration: tuple[str, str, list[Any]] | None = None,
 ) -> None:
-    """Evaluate the last checkpoint of a run (after calibrating its copy pointer, with
-    ``calibration``) and export it with a fresh model card."""
+    """Evaluate the last checkpoint of a run and export it with a fresh model card."""
     from runtime.errors import ConfigError
     from runtime.train.api import export
     from runtime.train.state import LEGACY_PICKLE, STATE_JSON, load_trainer_state
@@ -511,9 +488,6 @@ def _eval_only(
 
         taps = raw.get("dflash_config", {}).get("target_layer_ids") or raw.get("target_layer_ids")
         prepare_eval_data(pipe.target, pipe.tokenizer, out / "eval-data" / "ood", taps, pipe.stop_token_ids)
-    if calibration is not None:
-        taps = raw.get("dflash_config", {}).get("target_layer_ids") or raw.get("target_layer_ids")
-        _calibrate(pipe, out, calibration, list(taps), _train_bf16("auto", device), say)
     evaluation = _evaluate(
         pipe, session, out, eval_prompts, eval_tokens, say, Path(data_dir) if data_dir else None, ood_eval
     )
@@ -525,86 +499,6 @@ def _eval_only(
     path = export(out, evaluation, card)
     say(f"drafter saved to {path}")
     print(path)
-
-
-def _calibration_prompts(text: str) -> tuple[str, str, list[Any]]:
-    """--calibrate-copy: a bench dataset name or a prompts file -> (name, folder slug, TrainPrompts).
-    The OOD evaluation set and prompts from it are refused: calibrating on them would make the OOD
-    evaluation optimistic."""
-    import re
-
-    from runtime.bench.datasets import DATASETS, load_dataset, load_prompt_file
-    from runtime.train.heldout import ood_prompts
-    from runtime.train.prompts import TrainPrompt
-
-    key = text.strip().lower()
-    if key in DATASETS:
-        pset, name = load_dataset(key), key
-    elif Path(text).expanduser().is_file():
-        pset, name = load_prompt_file(text), Path(text).name
-    else:
-        raise typer.BadParameter(
-            f"--calibrate-copy {text!r} is neither a dataset ({', '.join(DATASETS)}) nor a prompts file"
-        )
-    ood = {p.text.strip() for p in ood_prompts()}
-    shared = sum(p.text.strip() in ood for p in pset.prompts)
-    if key == "ood-chat" or shared:
-        raise typer.BadParameter(
-            f"--calibrate-copy {text!r}: {shared} of its prompts are the OOD evaluation set's (ood-chat); "
-            "calibrate on other prompts, e.g. chat-coding"
-        )
-    prompts = [
-        TrainPrompt(p.text, p.mode != "raw", f"calibration:{p.id}", tuple(p.messages) if p.messages else None)
-        for p in pset.prompts
-    ]
-    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "prompts"
-    return name, slug, prompts
-
-
-def _need_copy_inputs(ckpt: Path, source: Path | None, ngram: tuple[int, int] | None, resume: bool) -> None:
-    """--calibrate-copy needs a drafter with copy inputs: say so before loading anything."""
-    if ngram is not None:
-        return
-    config = ckpt / "config.json" if resume or source is None else source / "config.json"
-    has = False
-    if config.is_file():
-        with contextlib.suppress(ValueError, TypeError, AttributeError):
-            has = json.loads(config.read_text()).get("dflash_config", {}).get("copy_ngram") is not None
-    if not has:
-        raise typer.BadParameter(
-            "--calibrate-copy needs a drafter with copy inputs; train with --copy-inputs or --copy-ngram"
-        )
-
-
-def _calibrate(
-    pipe: Any,
-    out: Path,
-    calibration: tuple[str, str, list[Any]],
-    taps: list[int],
-    bf16: bool,
-    say: Callable[[str], None],
-    answer_tokens: int = 320,
-) -> None:
-    """Build the calibration set (the target's answers, once) and calibrate OUT/checkpoint on it."""
-    from runtime.train.api import calibrate_checkpoint, prepare_eval_data
-
-    name, slug, prompts = calibration
-    say(f"copy calibration set: the target's answers to {len(prompts)} prompts of {name}")
-    dest = prepare_eval_data(
-        pipe.target,
-        pipe.tokenizer,
-        out / "eval-data" / f"calibration-{slug}",
-        taps,
-        pipe.stop_token_ids,
-        prompts=prompts,
-        max_new_tokens=answer_tokens,
-    )
-    rec = calibrate_checkpoint(pipe.target, out / "checkpoint", dest, name, pipe.device, bf16)
-    say(
-        f"copy pointer calibrated on {name} ({rec['positions']} positions): bias x {rec['scale']:g}, "
-        f"teacher-forced tau {rec['tau_tf_before']:.3f} -> {rec['tau_tf_after']:.3f}, "
-        f"slot-1 top-1 {rec['slot1_before']:.1%} -> {rec['slot1_after']:.1%}"
-    )
 
 
 class _RunRecord:
@@ -934,19 +828,6 @@ def _copy_lines(drafter: Any) -> list[str]:
     return lines
 
 
-def _calibration_lines(rec: dict[str, Any] | None) -> list[str]:
-    """The card's line on the copy pointer's calibration (``--calibrate-copy``), if any."""
-    if not rec:
-        return []
-    return [
-        f"- copy pointer calibrated on {rec['prompts']} (`--calibrate-copy`, {rec['positions']} slot-1 positions of "
-        f"the target's answers): every matched size's bias multiplied by {rec['scale']:g} "
-        f"(x {rec.get('total_scale', rec['scale']):g} over all calibrations), teacher-forced tau "
-        f"{rec['tau_tf_before']:.3f} -> {rec['tau_tf_after']:.3f}, slot-1 top-1 {rec['slot1_before']:.1%} -> "
-        f"{rec['slot1_after']:.1%}"
-    ]
-
-
 def model_card(
     pipe: Any, trainer: Any, evaluation: dict[str, Any] | None, argv: list[str], data_dir: Path | str | None = None
 ) -> str:
@@ -984,7 +865,6 @@ def model_card(
         + (f" ({vocab['rule']}; held-out OOV share {vocab['oov_share']:.2%})" if "rule" in vocab else ""),
         f"- initialisation: {_init_line(init)}",
         *_copy_lines(d),
-        *_calibration_lines(training.get("copy_calibration")),
         "",
         "## Data",
         "The target's own greedy answers (chat template, thinking off) to coding prompts built offline",

@@ -11,7 +11,6 @@ Run folder layout::
     OUT/data-report.json     dataset size and mix (sequences and answer tokens per prompt kind)
     OUT/vocab-coverage.json  OOV share of held-out answer tokens vs draft vocabulary size, head cost
     OUT/eval-data/ood/       the OOD prompts' answers + features (built once, like OUT/data)
-    OUT/eval-data/calibration-NAME/  the same for --calibrate-copy's prompts (calibrate_checkpoint)
 """
 
 from __future__ import annotations
@@ -410,43 +409,6 @@ def prepare_eval_data(
         topk=topk,
     )
     return dest
-
-
-def calibrate_checkpoint(
-    target: TargetModel,
-    ckpt: Path,
-    data_dir: Path,
-    prompts: str,
-    device: str | torch.device = "cpu",
-    bf16: bool = False,
-) -> dict[str, Any]:
-    """Calibrate the copy pointer of the drafter in a run's ``checkpoint/`` on a calibration set
-    (``runtime.train.calibrate``) and write it back, recording the result (and the product of the
-    scales of all calibrations so far) in ``dflash_training.copy_calibration``.
-
-    Args:
-        target: the drafter's target (its embeddings and head score the drafts).
-        ckpt: the run's checkpoint folder.
-        data_dir: the target's answers to the calibration prompts (``prepare_eval_data``).
-        prompts: what the calibration prompts are, for the record (a dataset name or file name).
-        device: where to score.
-        bf16: autocast matmuls to bfloat16 while scoring.
-
-    Raises:
-        ConfigError: the drafter has no copy inputs.
-    """
-    from runtime.train.calibrate import calibrate_copy
-
-    drafter = load_draft_model(ckpt, "cpu", torch.float32)
-    embed, head, _ = frozen_weights(target)
-    data = open_eval_set(data_dir, list(drafter.dflash.target_layer_ids), target.hidden_size)
-    record = calibrate_copy(drafter, embed, head, data, device, bf16)
-    training = dict(drafter.config.raw.get("dflash_training") or {})
-    earlier = float((training.get("copy_calibration") or {}).get("total_scale", 1.0))
-    record = {"prompts": prompts, **record, "total_scale": round(earlier * record["scale"], 6)}
-    training["copy_calibration"] = record
-    save_draft_model(drafter.cpu().float(), ckpt, {"dflash_training": training})
-    return record
 
 
 def open_eval_set(data_dir: Path, use_taps: Sequence[int], hidden: int) -> ShardDataset:
