@@ -71,6 +71,9 @@ class DFlashConfig:
         draft_vocab_size: size of the reduced draft vocabulary, or None for the full one.
         copy_ngram: (shortest, longest) context n-gram whose continuation the drafter is shown as
             copy inputs (``runtime.engine.lookup.block_copies``), or None for a drafter without them.
+        copy_corpus: (shortest, longest) n-gram of the drafter's corpus table
+            (``runtime.engine.corpus``), shown where the context has no match of two tokens; None
+            without one. Needs ``copy_ngram``.
     """
 
     block_size: int
@@ -78,8 +81,14 @@ class DFlashConfig:
     target_layer_ids: tuple[int, ...]
     draft_vocab_size: int | None = None
     copy_ngram: tuple[int, int] | None = None
+    copy_corpus: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
+        if self.copy_corpus is not None:
+            if self.copy_ngram is None:
+                raise ConfigError("copy_corpus needs copy_ngram (the corpus is shown through the copy inputs)")
+            if not 1 <= self.copy_corpus[0] <= self.copy_corpus[1] <= 16:
+                raise ConfigError(f"copy_corpus needs 1 <= shortest <= longest <= 16, got {list(self.copy_corpus)}")
         if self.copy_ngram is not None and not 1 <= self.copy_ngram[0] <= self.copy_ngram[1] <= 16:
             raise ConfigError(f"copy_ngram needs 1 <= shortest <= longest <= 16, got {list(self.copy_ngram)}")
         if self.block_size < 1:

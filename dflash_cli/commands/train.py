@@ -159,6 +159,16 @@ def train(
             "first and get their own learnt weights). Implies --copy-inputs.",
         ),
     ] = None,
+    copy_corpus: Annotated[
+        str | None,
+        typer.Option(
+            "--copy-corpus",
+            help="Shortest,longest n-gram (e.g. 2,4) of a corpus table counted over the training answers: where "
+            "the context has no 2-token match, the copy inputs show what the target most often wrote after the "
+            "last tokens, with their own learnt weights per size and confidence. Needs copy inputs; shipped next "
+            "to the weights (corpus.safetensors).",
+        ),
+    ] = None,
     eval_every: Annotated[
         int, typer.Option("--eval-every", help="Steps between held-out evaluations (OUT/eval.jsonl).")
     ] = 200,
@@ -234,6 +244,7 @@ def train(
     if distill not in ("hard", "soft"):
         raise typer.BadParameter(f"--distill must be hard or soft, got {distill!r}")
     ngram = _ngram_sizes(copy_ngram) if copy_ngram is not None else COPY_NGRAM if copy_inputs else None
+    corpus_grams = _ngram_sizes(copy_corpus, "--copy-corpus") if copy_corpus is not None else None
     if init not in ("random", "target"):
         raise typer.BadParameter(f"--init must be random or target, got {init!r}")
     if precision not in ("auto", "bf16", "fp32"):
@@ -274,6 +285,7 @@ def train(
         from_drafter=source,
         grow_to=layers if source is not None else None,
         copy_ngram=ngram,
+        copy_corpus=corpus_grams,
     )
     cfg = None
     if not data_only and (steps is not None or budget is not None):  # --resume alone keeps the run's schedule
@@ -795,15 +807,15 @@ def _side_by_side(pipe: Any, evaluation: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _ngram_sizes(text: str) -> tuple[int, int]:
-    """``--copy-ngram`` "SHORTEST,LONGEST" -> (shortest, longest), 1 <= shortest <= longest <= 16."""
+def _ngram_sizes(text: str, flag: str = "--copy-ngram") -> tuple[int, int]:
+    """``--copy-ngram`` / ``--copy-corpus`` "SHORTEST,LONGEST" -> (shortest, longest), 1 <= shortest <= longest <= 16."""
     parts = text.split(",")
     try:
         lo, hi = (int(p) for p in parts)
     except ValueError:
-        raise typer.BadParameter(f"--copy-ngram takes SHORTEST,LONGEST like 1,4, got {text!r}") from None
+        raise typer.BadParameter(f"{flag} takes SHORTEST,LONGEST like 1,4, got {text!r}") from None
     if not 1 <= lo <= hi <= 16:
-        raise typer.BadParameter(f"--copy-ngram needs 1 <= shortest <= longest <= 16, got {text!r}")
+        raise typer.BadParameter(f"{flag} needs 1 <= shortest <= longest <= 16, got {text!r}")
     return lo, hi
 
 
@@ -824,6 +836,23 @@ def _copy_lines(drafter: Any) -> list[str]:
         lines.append(
             "- copy pointer: the proposal's draft logit gets a learnt bias per matched size, and a proposal "
             f"outside the draft vocabulary is scored from the target's full head ({pointer})"
+        )
+    grams = drafter.dflash.copy_corpus
+    if grams is not None and drafter.copy_bias is not None:
+        from runtime.engine.corpus import CORPUS_FILE, LEVELS
+
+        bias = drafter.copy_bias.detach().float().tolist()
+        first = ngram[1] + 1
+        learnt = "; ".join(
+            f"{n}-gram " + " / ".join(f"{bias[first + LEVELS * (n - grams[0]) + c]:+.2f}" for c in range(LEVELS))
+            for n in range(grams[0], grams[1] + 1)
+        )
+        size = len(drafter.corpus) if drafter.corpus is not None else 0
+        lines.append(
+            f"- corpus table ({CORPUS_FILE}, {size:,} {grams[0]}-{grams[1]}-grams seen at least twice in the "
+            "training answers): where the context's match is shorter than 2 tokens, the copy inputs show what "
+            "the target most often wrote next, with their own learnt bias per size and confidence level "
+            f"(share of that continuation < 1/2 / >= 1/2 / >= 4/5: {learnt})"
         )
     return lines
 

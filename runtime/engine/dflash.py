@@ -344,7 +344,11 @@ class DFlashDecoder:
             if index is None or len(index.tokens) > len(committed):
                 index = self._copy_index = NgramIndex(*ngram)
             index.extend(committed[len(index.tokens) :])
-            ids, matched = block_copies(index, b, self.mask_id)
+            corpus = self.drafter.corpus
+            if corpus is not None:
+                ids, matched = block_copies(index, b, self.mask_id, corpus.query, corpus.ngram)
+            else:
+                ids, matched = block_copies(index, b, self.mask_id)
             if any(matched):
                 dev = embeds.device
                 shown = (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(matched, device=dev))

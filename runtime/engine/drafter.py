@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.config import DFlashConfig
+from runtime.engine.corpus import CORPUS_FILE, CorpusTable, corpus_rows
 from runtime.engine.kv_cache import DraftKVCache
 from runtime.errors import ConfigError, ModelLoadError
 
@@ -118,6 +119,9 @@ class DraftModelConfig:
         copy_ngram = nested.get("copy_ngram")
         if copy_ngram is not None and (not isinstance(copy_ngram, list) or len(copy_ngram) != 2):
             raise ModelLoadError(f"dflash_config.copy_ngram must be [shortest, longest], got {copy_ngram!r}")
+        copy_corpus = nested.get("copy_corpus")
+        if copy_corpus is not None and (not isinstance(copy_corpus, list) or len(copy_corpus) != 2):
+            raise ModelLoadError(f"dflash_config.copy_corpus must be [shortest, longest], got {copy_corpus!r}")
         return cls(
             hidden_size=hidden,
             num_hidden_layers=n_layers,
@@ -138,6 +142,7 @@ class DraftModelConfig:
                 target_layer_ids=tuple(int(i) for i in layer_ids),
                 draft_vocab_size=int(draft_vocab) if draft_vocab else None,
                 copy_ngram=(int(copy_ngram[0]), int(copy_ngram[1])) if copy_ngram is not None else None,
+                copy_corpus=(int(copy_corpus[0]), int(copy_corpus[1])) if copy_corpus is not None else None,
             ),
             raw=dict(cfg),
         )
@@ -307,9 +312,11 @@ class DFlashDraftModel(nn.Module):
         self.register_buffer("draft_vocab_ids", None, persistent=True)
         self.copy_scale: nn.Parameter | None = None
         self.copy_bias: nn.Parameter | None = None
+        self.corpus: CorpusTable | None = None
         if config.dflash.copy_ngram is not None:
-            self.copy_scale = nn.Parameter(torch.zeros(config.dflash.copy_ngram[1] + 1, d))
-            self.copy_bias = nn.Parameter(torch.zeros(config.dflash.copy_ngram[1] + 1))
+            rows = copy_rows(config.dflash)
+            self.copy_scale = nn.Parameter(torch.zeros(rows, d))
+            self.copy_bias = nn.Parameter(torch.zeros(rows))
 
     def copy_inputs(self, copy_embeds: torch.Tensor, matched: torch.Tensor) -> torch.Tensor:
         """What the copy inputs add to the block's embeddings.
@@ -415,7 +422,7 @@ def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     """
     from safetensors.torch import load_file
 
-    files = sorted(folder.glob("*.safetensors"))
+    files = sorted(f for f in folder.glob("*.safetensors") if f.name != CORPUS_FILE)
     index = folder / "model.safetensors.index.json"
     if index.exists():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -465,7 +472,7 @@ def load_draft_model(
     vocab_ids = state.pop("draft_vocab_ids", None)
     expected = {k for k in model.state_dict() if k != "draft_vocab_ids"}
     if config.dflash.copy_ngram is not None and "copy_bias" not in state:
-        state["copy_bias"] = torch.zeros(config.dflash.copy_ngram[1] + 1)  # saved before it existed: no bias
+        state["copy_bias"] = torch.zeros(copy_rows(config.dflash))  # saved before it existed: no bias
     missing = sorted(expected - state.keys())
     unexpected = sorted(state.keys() - expected)
     if missing or unexpected:
@@ -482,6 +489,13 @@ def load_draft_model(
         model.draft_vocab_ids = vocab_ids.to(torch.long)
     elif config.dflash.draft_vocab_size:
         raise ModelLoadError(f"{folder}: config declares draft_vocab_size but the weights lack draft_vocab_ids")
+    if config.dflash.copy_corpus is not None:
+        try:
+            model.corpus = CorpusTable.load(folder, config.dflash.copy_corpus)
+        except FileNotFoundError:
+            raise ModelLoadError(f"{folder}: config declares copy_corpus but the folder has no {CORPUS_FILE}") from None
+        except Exception as e:  # safetensors raises its own SafetensorError / OSError types
+            raise ModelLoadError(f"{folder}/{CORPUS_FILE} is unreadable: truncated or corrupt ({e})") from e
     return model.to(device=device, dtype=dtype).eval()
 
 
@@ -507,6 +521,14 @@ def save_draft_model(model: DFlashDraftModel, path: str | Path, extra_config: di
         dconf["copy_ngram"] = list(model.dflash.copy_ngram)
     else:
         dconf.pop("copy_ngram", None)
+    if model.dflash.copy_corpus is not None:
+        if model.corpus is None:
+            raise ValueError("the drafter declares copy_corpus but has no corpus table to save")
+        dconf["copy_corpus"] = list(model.dflash.copy_corpus)
+        model.corpus.save(folder)
+    else:
+        dconf.pop("copy_corpus", None)
+        (folder / CORPUS_FILE).unlink(missing_ok=True)
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items() if k != "draft_vocab_ids"}
     if model.draft_vocab_ids is not None:
         state["draft_vocab_ids"] = model.draft_vocab_ids.detach().cpu().to(torch.long).contiguous()
@@ -570,4 +592,40 @@ def add_copy_inputs(model: DFlashDraftModel, ngram: tuple[int, int]) -> DFlashDr
         torch.zeros(ngram[1] + 1, model.config.hidden_size, device=ref.device, dtype=ref.dtype)
     )
     model.copy_bias = nn.Parameter(torch.zeros(ngram[1] + 1, device=ref.device, dtype=ref.dtype))
+    return model
+
+
+def copy_rows(dflash: DFlashConfig) -> int:
+    """Rows of ``copy_scale`` / ``copy_bias``: 0..longest for context matches, then the corpus's."""
+    assert dflash.copy_ngram is not None
+    extra = corpus_rows(dflash.copy_corpus) if dflash.copy_corpus is not None else 0
+    return dflash.copy_ngram[1] + 1 + extra
+
+
+def add_copy_corpus(model: DFlashDraftModel, ngram: tuple[int, int], table: CorpusTable) -> DFlashDraftModel:
+    """Give a drafter with copy inputs a corpus table (``runtime.engine.corpus``).
+
+    The corpus's new ``copy_scale`` / ``copy_bias`` rows start as copies of the context's 1-gram
+    row: a corpus proposal replaces a 1-gram context copy (or nothing) and starts out trusted as
+    much as one. A drafter that already has a corpus of the same sizes gets the new table.
+
+    Raises:
+        ConfigError: the drafter has no copy inputs, or a corpus of other sizes.
+    """
+    current = model.dflash.copy_corpus
+    if model.dflash.copy_ngram is None or model.copy_scale is None or model.copy_bias is None:
+        raise ConfigError("a corpus needs a drafter with copy inputs (--copy-inputs or --copy-ngram)")
+    if current is not None and current != tuple(ngram):
+        raise ConfigError(f"the drafter has a corpus of {list(current)}-grams, not {list(ngram)}")
+    model.corpus = table
+    if current is not None:
+        return model
+    dflash = replace(model.dflash, copy_corpus=(int(ngram[0]), int(ngram[1])))
+    raw = dict(model.config.raw)
+    raw["dflash_config"] = {**dict(raw.get("dflash_config") or {}), "copy_corpus": list(dflash.copy_corpus or ())}
+    model.config = replace(model.config, dflash=dflash, raw=raw)
+    extra = corpus_rows(dflash.copy_corpus or ngram)
+    with torch.no_grad():
+        model.copy_scale = nn.Parameter(torch.cat([model.copy_scale, model.copy_scale[1:2].repeat(extra, 1)]))
+        model.copy_bias = nn.Parameter(torch.cat([model.copy_bias, model.copy_bias[1:2].repeat(extra)]))
     return model

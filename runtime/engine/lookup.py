@@ -18,7 +18,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from runtime.engine.corpus import Query, corpus_chain
 from runtime.engine.tree import DraftTree
+
+CONTEXT_FIRST = 2  # a context match this long is shown before the corpus's proposal
 
 
 class NgramIndex:
@@ -75,17 +78,32 @@ class NgramIndex:
         return 0, []
 
 
-def block_copies(index: NgramIndex, block_size: int, fill: int) -> tuple[list[int], list[int]]:
+def block_copies(
+    index: NgramIndex,
+    block_size: int,
+    fill: int,
+    corpus: Query | None = None,
+    corpus_ngram: tuple[int, int] = (2, 4),
+) -> tuple[list[int], list[int]]:
     """The copy inputs of one drafter block (``DFlashDraftModel.copy_inputs``).
 
     ``index`` holds the context up to and including the block's anchor; slot k (1..b-1) is shown
     the k-th token of what followed the latest earlier occurrence of its longest matching suffix.
+    With a ``corpus`` (a drafter with ``dflash_config.copy_corpus``), where that match is shorter
+    than ``CONTEXT_FIRST`` tokens the slots are shown the corpus chain instead
+    (``runtime.engine.corpus.corpus_chain``) when it has a first token.
 
     Returns:
-        ([b] token ids, ``fill`` where there is none; [b] matched n-gram size per position, 0 at the
-        anchor and everywhere when nothing matched).
+        ([b] token ids, ``fill`` where there is none; [b] copy row per position: the matched
+        n-gram size for a context copy, ``index.max_n + 1 + ...`` for a corpus proposal, 0 at the
+        anchor and wherever nothing is proposed).
     """
     n, guess = index.match(block_size - 1)
+    if corpus is not None and n < CONTEXT_FIRST:
+        ids, rows = corpus_chain(corpus, index.tokens, corpus_ngram, block_size - 1, index.max_n + 1)
+        if ids:
+            pad = block_size - 1 - len(ids)
+            return [fill, *ids, *[fill] * pad], [0, *rows, *[0] * pad]
     if not guess:
         return [fill] * block_size, [0] * block_size
     return [fill, *guess], [0] + [n] * (block_size - 1)

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from runtime.engine.drafter import add_copy_inputs, load_draft_model, save_draft_model
+from runtime.engine.drafter import add_copy_corpus, add_copy_inputs, load_draft_model, save_draft_model
 from runtime.engine.target import TargetModel
 from runtime.errors import ConfigError
 from runtime.train import vocab as vocab_mod
@@ -39,7 +39,7 @@ from runtime.train.model_init import (
 )
 from runtime.train.prompts import TrainPrompt, build_prompts
 from runtime.train.state import load_trainer_state
-from runtime.train.trainer import ShardDataset, TrainConfig, Trainer, dataset_meta, iter_shards
+from runtime.train.trainer import ShardDataset, TrainConfig, Trainer, count_corpus, dataset_meta, iter_shards
 
 Progress = Callable[[dict[str, Any]], None]
 
@@ -70,6 +70,9 @@ class DrafterSpec:
         copy_ngram: give the drafter copy inputs for these (shortest, longest) context n-gram
             matches (``runtime.engine.drafter.add_copy_inputs``; they start at zero, so a warm-started
             drafter drafts as before until trained); None: none added (a source drafter keeps its own).
+        copy_corpus: give the drafter (which must have copy inputs) a corpus table of these
+            (shortest, longest) n-grams, counted over the run's training answers
+            (``runtime.engine.corpus``); None: none added (a source drafter's is recounted).
     """
 
     num_layers: int = 1
@@ -83,6 +86,7 @@ class DrafterSpec:
     from_drafter: Path | None = None
     grow_to: int | None = None
     copy_ngram: tuple[int, int] | None = None
+    copy_corpus: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.num_layers < 1 or self.block_size < 2:
@@ -531,7 +535,12 @@ def fit(
         (out_dir / "vocab-coverage.json").write_text(json.dumps(coverage, indent=2))
         if init_report is not None:
             (out_dir / "init-report.json").write_text(json.dumps(init_report, indent=2))
-    trainer = Trainer(drafter, embed, head, train, val, config, out_dir, device)
+    counts = None
+    grams = spec.copy_corpus if not resume and spec.copy_corpus is not None else drafter.dflash.copy_corpus
+    if grams is not None:  # counted afresh from this run's training answers (a resumed run: the same ones)
+        counts = count_corpus([train], grams, config.max_len)
+        drafter = add_copy_corpus(drafter, grams, counts.table())
+    trainer = Trainer(drafter, embed, head, train, val, config, out_dir, device, corpus=counts)
     for name, path in (eval_sets or {}).items():
         trainer.extra_evals[name] = open_eval_set(path, taps, hidden)
     if resume:

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from runtime.engine.corpus import CorpusCounts, CorpusTable, Query
 from runtime.engine.drafter import DFlashDraftModel, draft_columns_to_ids, load_draft_model, save_draft_model
 from runtime.engine.lookup import NgramIndex, block_copies
 from runtime.errors import ConfigError
@@ -200,6 +201,46 @@ class ShardDataset:
         return ids, logp
 
 
+@dataclass
+class CorpusSource:
+    """Where ``build_batch`` gets each sequence's corpus query (``runtime.engine.corpus``).
+
+    Attributes:
+        ngram: the table's (shortest, longest) n-gram size.
+        counts: training counts; with ``leave_out`` a counted sequence is shown what the rest of
+            the corpus proposes (its own n-grams left out), as an unseen request would be.
+        table: a shipped table (evaluating a saved drafter), used when there are no counts.
+    """
+
+    ngram: tuple[int, int]
+    counts: CorpusCounts | None = None
+    table: CorpusTable | None = None
+    leave_out: bool = False
+
+    def query(self, tokens: Sequence[int], prompt_len: int) -> Query:
+        """The query for one sequence."""
+        if self.counts is not None:
+            return self.counts.query_for(tokens if self.leave_out else None)
+        assert self.table is not None, "a CorpusSource needs counts or a table"
+        return self.table.query
+
+
+def count_corpus(datasets: Sequence[ShardDataset], ngram: tuple[int, int], max_len: int) -> CorpusCounts:
+    """Corpus counts over the target's generated answers in ``datasets`` (teacher-forced text is
+    skipped: its tokens are not the target's choices), each sequence cut to ``max_len`` tokens as
+    training reads it, so that leaving a sequence out removes exactly what it added."""
+    counts = CorpusCounts(ngram)
+    for ds in datasets:
+        for shard in ds.shards:
+            if shard.teacher_forced:
+                continue
+            for j in range(shard.num_sequences):
+                a, b = int(shard.offsets[j]), int(shard.offsets[j + 1])
+                counts.add(shard.tokens[a : min(b, a + max_len)].tolist(), int(shard.prompt_len[j]))
+    counts.link_near_duplicates()
+    return counts
+
+
 def build_batch(
     seqs: Sequence[tuple[torch.Tensor, torch.Tensor, int]],
     anchors: int,
@@ -209,6 +250,7 @@ def build_batch(
     soft: Sequence[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
     targets: Sequence[torch.Tensor | None] | None = None,
     copy_ngram: tuple[int, int] | None = None,
+    corpus: CorpusSource | None = None,
 ) -> dict[str, torch.Tensor] | None:
     """Pack sequences into one block-sparse training batch.
 
@@ -223,6 +265,8 @@ def build_batch(
         copy_ngram: with a drafter that has copy inputs, its n-gram sizes: each block also gets the
             context lookup's proposal over the sequence's tokens up to its anchor, exactly as the
             decoder computes it (``runtime.engine.lookup.block_copies``).
+        corpus: with a drafter that has a corpus table: (sequence tokens, prompt length) -> the
+            query its copy inputs use for that sequence (``CorpusSource``), and the table's n-gram sizes.
 
     Returns:
         ``features`` [B, C, n*D], ``block_ids`` [B, A*b], ``labels`` [B, A, b-1] (-100 = ignore),
@@ -235,6 +279,7 @@ def build_batch(
     picked = []
     use_soft = soft is not None and all(x is not None for x in soft)
     soft_picked: list[tuple[torch.Tensor, torch.Tensor]] = []
+    plens: list[int] = []
     for si, (tokens, feats, plen) in enumerate(seqs):
         t = tokens.numel()
         lo = max(plen, 1)
@@ -243,6 +288,7 @@ def build_batch(
             continue
         chosen = sorted(rng.sample(cands, min(anchors, len(cands))))
         picked.append((tokens, feats, chosen, targets[si] if targets is not None else None))
+        plens.append(plen)
         if use_soft:
             entry = soft[si] if soft is not None else None
             assert entry is not None  # use_soft: every sequence has its top-k
@@ -271,9 +317,13 @@ def build_batch(
         t = tokens.numel()
         if copy_ngram is not None:  # the decoder's copy inputs: the context up to each anchor (sorted)
             seq, index = tokens.tolist(), NgramIndex(*copy_ngram)
+            query = corpus.query(seq, plens[i]) if corpus is not None else None
             for j, a in enumerate(chosen):
                 index.extend(seq[len(index.tokens) : a + 1])
-                ids, matched = block_copies(index, b, mask_id)
+                if query is not None and corpus is not None:
+                    ids, matched = block_copies(index, b, mask_id, query, corpus.ngram)
+                else:
+                    ids, matched = block_copies(index, b, mask_id)
                 copy_ids[i, j * b : (j + 1) * b] = torch.tensor(ids)
                 copy_n[i, j * b : (j + 1) * b] = torch.tensor(matched)
         if tgt is not None:
@@ -348,6 +398,9 @@ class Trainer:
         config: hyper-parameters.
         out_dir: run folder (``checkpoint/`` inside).
         device: where to train.
+        corpus: for a drafter with a corpus table (``dflash.copy_corpus``), the counts over the
+            training answers (``count_corpus``): training leaves each sequence's own n-grams out,
+            and the drafter's table becomes theirs. Without them the drafter's own table is used.
     """
 
     def __init__(
@@ -360,6 +413,7 @@ class Trainer:
         config: TrainConfig,
         out_dir: Path,
         device: torch.device | str = "cpu",
+        corpus: CorpusCounts | None = None,
     ) -> None:
         self.device = torch.device(device)
         self.drafter = drafter.to(self.device).float().train()
@@ -379,6 +433,17 @@ class Trainer:
         self.mask_id = drafter.dflash.mask_token_id
         self.weights = slot_weights(self.block, config.gamma).to(self.device)
         self.copy_ngram = drafter.dflash.copy_ngram
+        self.corpus_train: CorpusSource | None = None
+        self.corpus_eval: CorpusSource | None = None
+        grams = drafter.dflash.copy_corpus
+        if grams is not None and corpus is not None:
+            self.drafter.corpus = corpus.table()
+            self.corpus_train = CorpusSource(grams, counts=corpus, leave_out=True)
+            self.corpus_eval = CorpusSource(grams, table=self.drafter.corpus)
+        elif grams is not None:
+            if self.drafter.corpus is None:
+                raise ConfigError("the drafter declares a corpus table but has none; pass its counts")
+            self.corpus_train = self.corpus_eval = CorpusSource(grams, table=self.drafter.corpus)
         copy = [p for p in (drafter.copy_scale, drafter.copy_bias) if p is not None and p.requires_grad]
         params = [p for p in self.drafter.parameters() if p.requires_grad and all(p is not c for c in copy)]
         # copy_scale and copy_bias start at 0 and must grow to several units: their own (by default
@@ -594,7 +659,15 @@ class Trainer:
             soft = [self.train_data.get_topk(i, self.cfg.max_len) for i in picks] if self._soft else None
             targets = [self.train_data.get_labels(i, self.cfg.max_len) for i in picks]
             batch = build_batch(
-                seqs, self.cfg.anchors, self.block, self.mask_id, self.rng, soft, targets, self.copy_ngram
+                seqs,
+                self.cfg.anchors,
+                self.block,
+                self.mask_id,
+                self.rng,
+                soft,
+                targets,
+                self.copy_ngram,
+                self.corpus_train,
             )
         lr = self.lr_at(self.progress())
         for g in self.opt.param_groups:
@@ -649,7 +722,17 @@ class Trainer:
                 seqs = [data.get(j, self.cfg.max_len) for j in pick]
                 soft = [data.get_topk(j, self.cfg.max_len) for j in pick] if data.has_topk else None
                 targets = [data.get_labels(j, self.cfg.max_len) for j in pick]
-                b = build_batch(seqs, self.cfg.anchors, self.block, self.mask_id, rng, soft, targets, self.copy_ngram)
+                b = build_batch(
+                    seqs,
+                    self.cfg.anchors,
+                    self.block,
+                    self.mask_id,
+                    rng,
+                    soft,
+                    targets,
+                    self.copy_ngram,
+                    self.corpus_eval,
+                )
                 if b is not None:
                     batches.append(b)
             self._val_batches[name] = batches
