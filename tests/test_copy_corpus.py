@@ -65,6 +65,17 @@ def test_table_keeps_the_most_frequent_continuation_seen_twice():
     assert p.answer_tokens == 6
 
 
+def test_scored_text_counts_the_targets_own_choice_after_the_texts_ngrams():
+    """Teacher-forced text: the key is the text, the continuation is what the target would have
+    written there (its label), not the text's next token; unlabelled positions (-1) are skipped."""
+    c = CorpusCounts((2, 2))
+    for _ in range(2):
+        c.add([0, 1, 2, 3, 4], 1, labels=[1, 2, 7, -1])  # the target would write 7 after (1, 2)
+    t = c.table()
+    assert t.query(2, [1, 2]) == (7, 2)  # not the text's 3
+    assert t.query(2, [2, 3]) is None  # label -1: nothing counted
+
+
 def test_table_round_trips_through_its_file(tmp_path):
     c = _counts([[0, 1, 2, 3, 4]] * 2 + [[0, 7, 2, 3, 9]] * 3)
     t = c.table()
@@ -264,10 +275,13 @@ def test_cli_trains_resumes_and_exports_a_corpus(tmp_path):
     base = ["train", "--target", str(target_dir), "--data", str(data), "--out", str(out), "--no-eval"]
     base += ["--no-ood-eval", "--dtype", "float32", "--anchors", "8", "--draft-vocab", "full"]
     flags = ["--from-drafter", str(source), "--copy-ngram", "1,4", "--copy-corpus", "2,3", "--steps", "20"]
-    r = CliRunner().invoke(app, [*base, *flags])
+    r = CliRunner().invoke(app, [*base, *flags, "--corpus-data", str(data)])  # counted twice: not trained on
     assert r.exit_code == 0, r.output
     d = load_draft_model(out / "drafter", "cpu", torch.float32)
     assert d.dflash.copy_corpus == (2, 3) and d.corpus is not None and len(d.corpus) > 0
+    record = json.loads((out / "drafter" / "config.json").read_text())["dflash_training"]
+    (where,) = record["corpus_datasets"]  # recorded without machine-specific paths
+    assert where.endswith("data") and not where.startswith("/") and record["corpus"]["entries"] == len(d.corpus)
     assert "corpus table (corpus.safetensors" in (out / "drafter" / "README.md").read_text()
     resume = ["train", "--out", str(out), "--target", str(target_dir), "--data", str(data)]
     r = CliRunner().invoke(app, [*resume, "--no-eval", "--no-ood-eval", "--resume", "--extend", "--steps", "5"])
@@ -316,7 +330,10 @@ def test_cli_refuses_a_corpus_for_a_drafter_without_copy_inputs(tmp_path):
         pipe.stop_token_ids,
     )
     cmd = ["train", "--target", str(target_dir), "--data", str(data), "--out", str(tmp_path / "run"), "--no-eval"]
-    cmd += ["--no-ood-eval", "--from-drafter", str(source), "--copy-corpus", "2,3", "--steps", "2"]
-    r = CliRunner().invoke(app, cmd)
+    cmd += ["--no-ood-eval", "--from-drafter", str(source), "--steps", "2"]
+    r = CliRunner().invoke(app, [*cmd, "--copy-corpus", "2,3"])
     assert r.exit_code == 2, r.output
     assert "copy inputs" in " ".join(r.output.split())
+    r = CliRunner().invoke(app, [*cmd, "--copy-ngram", "1,4", "--corpus-data", str(data)])
+    assert r.exit_code == 2, r.output
+    assert "--corpus-data fills a corpus table" in " ".join(r.output.split())

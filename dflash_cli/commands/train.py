@@ -64,6 +64,14 @@ def train(
             "held out with --data's; a --text-from dataset is trained on whole).",
         ),
     ] = None,
+    corpus_data: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--corpus-data",
+            help="Another dataset folder counted into the corpus table (--copy-corpus) but not trained on "
+            "(repeatable; every shard; a --text-from dataset counts the target's own choice after the text).",
+        ),
+    ] = None,
     prompts: Annotated[
         int | None, typer.Option("--prompts", help="Prompts to answer for the dataset (default: all).")
     ] = None,
@@ -263,7 +271,11 @@ def train(
             if not r.is_dir():
                 raise typer.BadParameter(f"--text-from {str(r)!r} is not a folder")
         roots = tuple(dict.fromkeys(picked))
-    for flag, folder in [*(("--extra-data", f) for f in extra_data or []), ("--prompts-from", prompts_from)]:
+    for flag, folder in [
+        *(("--extra-data", f) for f in extra_data or []),
+        *(("--corpus-data", f) for f in corpus_data or []),
+        ("--prompts-from", prompts_from),
+    ]:
         if folder is not None and not (folder / "dataset.json").is_file():
             raise typer.BadParameter(f"{flag} {str(folder)!r} is not a dataset folder (no dataset.json)")
     source = _source_drafter(from_drafter) if from_drafter else None
@@ -376,6 +388,7 @@ def train(
         progress=_train_progress(say, None if resume else out),
         eval_sets=eval_sets,
         extra_data=extra_data or [],
+        corpus_data=corpus_data or [],
     )
     evaluation = None
     if not no_eval and eval_prompts > 0:

@@ -142,20 +142,29 @@ class CorpusCounts:
             n: {} for n in range(self.ngram[0], self.ngram[1] + 1)
         }
         self.answer_tokens = 0
-        self.sequences: list[tuple[list[int], int]] = []
+        self.sequences: list[tuple[list[int], int, list[int] | None]] = []
         self._index: dict[tuple[int, ...], int] = {}
         self.neighbours: list[list[int]] = []
 
-    def add(self, tokens: Sequence[int], prompt_len: int) -> None:
+    def add(self, tokens: Sequence[int], prompt_len: int, labels: Sequence[int] | None = None) -> None:
         """Count one sequence: every answer token after each of its preceding n-grams (the n-gram
-        may reach into the prompt)."""
+        may reach into the prompt).
+
+        Args:
+            tokens: prompt + answer ids.
+            prompt_len: prompt tokens (context only, never counted as a continuation).
+            labels: for real text scored by the target, its own choice at each answer position
+                (what it would have written there), counted after the text's n-grams; None when
+                the answer tokens are the target's choices.
+        """
         seq = [int(t) for t in tokens]
-        for n, (key, tok) in _answer_ngrams(seq, prompt_len, self.ngram):
+        lab = [int(t) for t in labels] if labels is not None else None
+        for n, (key, tok) in _answer_ngrams(seq, prompt_len, self.ngram, lab):
             nexts = self.counts[n].setdefault(key, {})
             nexts[tok] = nexts.get(tok, 0) + 1
         self.answer_tokens += max(len(seq) - max(prompt_len, 1), 0)
         self._index.setdefault(tuple(seq), len(self.sequences))
-        self.sequences.append((seq, int(prompt_len)))
+        self.sequences.append((seq, int(prompt_len), lab))
         self.neighbours.append([])
 
     def link_near_duplicates(self, n: int = 8, max_df: int = 20, min_shared: int = 4) -> float:
@@ -165,7 +174,7 @@ class CorpusCounts:
         Returns:
             the mean number of near-duplicates per sequence.
         """
-        grams = [{hash(tuple(seq[i : i + n])) for i in range(len(seq) - n + 1)} for seq, _ in self.sequences]
+        grams = [{hash(tuple(seq[i : i + n])) for i in range(len(seq) - n + 1)} for seq, _, _ in self.sequences]
         owners: dict[int, list[int]] = {}
         for i, g in enumerate(grams):
             for h in g:
@@ -203,8 +212,8 @@ class CorpusCounts:
         i = self._index.get(tuple(int(t) for t in tokens)) if tokens is not None else None
         if i is not None:
             for j in (i, *self.neighbours[i]):
-                seq, plen = self.sequences[j]
-                for n, (key, tok) in _answer_ngrams(seq, plen, self.ngram):
+                seq, plen, lab = self.sequences[j]
+                for n, (key, tok) in _answer_ngrams(seq, plen, self.ngram, lab):
                     nexts = own.setdefault(n, {}).setdefault(key, {})
                     nexts[tok] = nexts.get(tok, 0) + 1
 
@@ -219,11 +228,18 @@ class CorpusCounts:
 
 
 def _answer_ngrams(
-    seq: Sequence[int], prompt_len: int, ngram: tuple[int, int]
+    seq: Sequence[int], prompt_len: int, ngram: tuple[int, int], labels: Sequence[int] | None = None
 ) -> Iterable[tuple[int, tuple[tuple[int, ...], int]]]:
     for p in range(max(prompt_len, 1), len(seq)):
+        if labels is not None:
+            i = p - prompt_len
+            if not 0 <= i < len(labels) or labels[i] < 0:
+                continue
+            tok = labels[i]
+        else:
+            tok = seq[p]
         for n in range(ngram[0], min(ngram[1], p) + 1):
-            yield n, (tuple(seq[p - n : p]), seq[p])
+            yield n, (tuple(seq[p - n : p]), tok)
 
 
 def corpus_rows(ngram: tuple[int, int]) -> int:

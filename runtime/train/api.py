@@ -475,6 +475,7 @@ def fit(
     progress: Progress | None = None,
     eval_sets: dict[str, Path] | None = None,
     extra_data: Sequence[Path] = (),
+    corpus_data: Sequence[Path] = (),
 ) -> Trainer:
     """Train a drafter on ``data_dir``; checkpoints go to ``out_dir/checkpoint``.
 
@@ -485,6 +486,8 @@ def fit(
         eval_sets: more held-out dataset folders (e.g. {"ood": OUT/eval-data/ood}), evaluated with
             the validation shard at every ``eval_every`` steps into ``out_dir/eval.jsonl``.
         extra_data: more dataset folders trained on with ``data_dir`` (``open_datasets``).
+        corpus_data: dataset folders counted into a drafter's corpus table (every shard) but not
+            trained on; a resumed run without them counts the ones it recorded.
 
     Raises:
         ConfigError: a checkpoint exists and neither ``resume`` nor a fresh ``out_dir`` was asked for.
@@ -537,8 +540,13 @@ def fit(
             (out_dir / "init-report.json").write_text(json.dumps(init_report, indent=2))
     counts = None
     grams = spec.copy_corpus if not resume and spec.copy_corpus is not None else drafter.dflash.copy_corpus
+    if resume and not corpus_data:
+        corpus_data = [Path(p) for p in (drafter.config.raw.get("dflash_training") or {}).get("corpus_datasets", [])]
+    if corpus_data and grams is None:
+        raise ConfigError("--corpus-data fills a corpus table: give --copy-corpus (or a drafter that has one)")
     if grams is not None:  # counted afresh from this run's training answers (a resumed run: the same ones)
-        counts = count_corpus([train], grams, config.max_len)
+        more = [open_eval_set(Path(p), taps, hidden) for p in corpus_data]
+        counts = count_corpus([train, *more], grams, config.max_len)
         drafter = add_copy_corpus(drafter, grams, counts.table())
     trainer = Trainer(drafter, embed, head, train, val, config, out_dir, device, corpus=counts)
     for name, path in (eval_sets or {}).items():
@@ -571,6 +579,11 @@ def fit(
         rec = _training_record(trainer, data_dir)
         if extra_data:
             rec["extra_datasets"] = [str(p) for p in extra_data]
+        if corpus_data:
+            rec["corpus_datasets"] = [str(p) for p in corpus_data]
+        if counts is not None:
+            table = trainer.drafter.corpus
+            rec["corpus"] = {"entries": len(table) if table is not None else 0, "answer_tokens": counts.answer_tokens}
         rec["init"], rec["draft_vocab"] = init_note, vocab_note
         return {"dflash_training": rec}
 
@@ -756,8 +769,9 @@ def export(out_dir: Path, evaluation: dict[str, Any] | None, card: str) -> Path:
     training = dict(raw.get("dflash_training") or {})
     if "dataset" in training:
         training["dataset"] = _portable(training["dataset"], out_dir)  # no machine-specific path shipped
-    if "extra_datasets" in training:
-        training["extra_datasets"] = [_portable(p, out_dir) for p in training["extra_datasets"]]
+    for key in ("extra_datasets", "corpus_datasets"):
+        if key in training:
+            training[key] = [_portable(p, out_dir) for p in training[key]]
     if evaluation:
         training["evaluation"] = evaluation
     extra["dflash_training"] = training

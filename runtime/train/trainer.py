@@ -226,17 +226,19 @@ class CorpusSource:
 
 
 def count_corpus(datasets: Sequence[ShardDataset], ngram: tuple[int, int], max_len: int) -> CorpusCounts:
-    """Corpus counts over the target's generated answers in ``datasets`` (teacher-forced text is
-    skipped: its tokens are not the target's choices), each sequence cut to ``max_len`` tokens as
-    training reads it, so that leaving a sequence out removes exactly what it added."""
+    """Corpus counts over the target's answers in ``datasets``, each sequence cut to ``max_len``
+    tokens as training reads it, so that leaving a sequence out removes exactly what it added. In
+    teacher-forced text the target's own choice at each position is counted after the text's
+    n-gram (what it would have written there)."""
     counts = CorpusCounts(ngram)
     for ds in datasets:
         for shard in ds.shards:
-            if shard.teacher_forced:
-                continue
             for j in range(shard.num_sequences):
                 a, b = int(shard.offsets[j]), int(shard.offsets[j + 1])
-                counts.add(shard.tokens[a : min(b, a + max_len)].tolist(), int(shard.prompt_len[j]))
+                plen = int(shard.prompt_len[j])
+                tokens = shard.tokens[a : min(b, a + max_len)].tolist()
+                labels = shard.answer_labels(j).tolist() if shard.teacher_forced else None
+                counts.add(tokens, plen, labels)
     counts.link_near_duplicates()
     return counts
 
