@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 from runtime.engine.drafter import load_draft_model
 from runtime.models.embedded import embedded_target_dir
 from runtime.train.api import open_eval_set
-from runtime.train.trainer import TrainConfig, Trainer, build_batch
+from runtime.train.trainer import CorpusSource, TrainConfig, Trainer, build_batch
 
 torch.set_num_threads(2)
 # the embedded target in the default models folder, or DFLASH_TARGET_DIR
@@ -29,6 +29,8 @@ ds = open_eval_set(Path(data_dir), taps, 896)
 cfg = TrainConfig(steps=1, bf16=True)
 tr = Trainer(dr, embed, head, ds, ds, cfg, Path(os.environ.get("TMPDIR", "/tmp")) / "dflash-diag", "cpu")
 tr.drafter.eval()
+# a drafter with a corpus table is shown its proposals as the decoder shows them
+corpus = CorpusSource(dr.dflash.copy_corpus, table=dr.corpus) if dr.dflash.copy_corpus and dr.corpus else None
 stats = collections.defaultdict(lambda: [0, 0])
 slots = [[0, 0] for _ in range(3)]
 n_seq = min(len(ds), int(sys.argv[3]) if len(sys.argv) > 3 else 999)
@@ -37,7 +39,7 @@ for i in range(n_seq):
     topk = ds.get_topk(i, 640)
     rng = random.Random(0)
     labels = [ds.get_labels(i, 640)]
-    b = build_batch([(tokens, feats, plen)], 10_000, tr.block, tr.mask_id, rng, None, labels, tr.copy_ngram)
+    b = build_batch([(tokens, feats, plen)], 10_000, tr.block, tr.mask_id, rng, None, labels, tr.copy_ngram, corpus)
     with torch.no_grad():
         _, m = tr._forward(b)
     for k in range(min(3, m["correct"].shape[-1])):  # every anchor, slots 1..3 (the drafter with its copy inputs)

@@ -329,11 +329,14 @@ def test_cli_refuses_a_corpus_for_a_drafter_without_copy_inputs(tmp_path):
         DataSpec(num_prompts=8, max_new_tokens=16, batch_size=4),
         pipe.stop_token_ids,
     )
-    cmd = ["train", "--target", str(target_dir), "--data", str(data), "--out", str(tmp_path / "run"), "--no-eval"]
+    cmd = ["train", "--target", str(target_dir), "--data", str(data), "--no-eval"]
     cmd += ["--no-ood-eval", "--from-drafter", str(source), "--steps", "2"]
-    r = CliRunner().invoke(app, [*cmd, "--copy-corpus", "2,3"])
+    r = CliRunner().invoke(app, [*cmd, "--out", str(tmp_path / "run1"), "--copy-corpus", "2,3"])
     assert r.exit_code == 2, r.output
     assert "copy inputs" in " ".join(r.output.split())
-    r = CliRunner().invoke(app, [*cmd, "--copy-ngram", "1,4", "--corpus-data", str(data)])
+    r = CliRunner().invoke(
+        app, [*cmd, "--out", str(tmp_path / "run2"), "--copy-ngram", "1,4", "--corpus-data", str(data)]
+    )
     assert r.exit_code == 2, r.output
     assert "--corpus-data fills a corpus table" in " ".join(r.output.split())
+    assert not (tmp_path / "run2").exists()  # refused before anything was written

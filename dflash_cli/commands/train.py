@@ -284,6 +284,12 @@ def train(
         if tap_ids is not None and tap_ids != src_taps:
             raise typer.BadParameter(f"--taps {list(tap_ids)} differs from --from-drafter's taps {list(src_taps)}")
         tap_ids = src_taps
+    if corpus_data and corpus_grams is None and not resume:
+        src_conf = json.loads((source / "config.json").read_text())["dflash_config"] if source is not None else {}
+        if not src_conf.get("copy_corpus"):
+            raise typer.BadParameter(
+                "--corpus-data fills a corpus table: give --copy-corpus (or a --from-drafter that has one)"
+            )
     if layers is not None and layers < 1:
         raise typer.BadParameter(f"--layers must be >= 1, got {layers}")
     spec = DrafterSpec(
