@@ -180,6 +180,19 @@ def save_pair(
     return target_dir, drafter_dir
 
 
+def pair_with_data(root: Path, num_prompts: int = 12, max_new_tokens: int = 32) -> tuple[Path, Path, Path]:
+    """A tiny saved pair (``save_pair``, block 4) and a training dataset of its target's answers
+    (taps 1, 2); returns (target_dir, drafter_dir, data_dir)."""
+    from runtime import ModelRef, RuntimeConfig, load_pipeline
+    from runtime.train.api import DataSpec, prepare_data
+
+    target_dir, drafter_dir = save_pair(root / "pair", block_size=4)
+    pipe = load_pipeline(ModelRef(target=str(target_dir), drafter="none"), RuntimeConfig(dtype="float32"))
+    spec = DataSpec(num_prompts=num_prompts, max_new_tokens=max_new_tokens, batch_size=4)
+    prepare_data(pipe.target, pipe.tokenizer, root / "data", [1, 2], spec, pipe.stop_token_ids)
+    return target_dir, drafter_dir, root / "data"
+
+
 def greedy_reference(model: Any, prompt: Sequence[int], n: int) -> list[int]:
     """Plain greedy continuation without any cache (the slowest, simplest reference)."""
     ids = list(prompt)

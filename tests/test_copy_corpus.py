@@ -26,7 +26,7 @@ from runtime.engine.target import TargetModel
 from runtime.engine.tree_decoder import TreeDecoder
 from runtime.errors import ConfigError, ModelLoadError
 from runtime.train.trainer import CorpusSource, build_batch
-from tests.fakes import collect_ids, greedy_reference, make_drafter, make_target
+from tests.fakes import collect_ids, greedy_reference, make_drafter, make_target, pair_with_data
 
 VOCAB = 48
 
@@ -256,21 +256,7 @@ def test_new_corpus_rows_start_from_the_one_gram_row(pair):
 def test_cli_trains_resumes_and_exports_a_corpus(tmp_path):
     """``dflash train --copy-corpus 2,3`` on a tiny target: the drafter ships its table, the card
     says so, a resume keeps it, and ``dflash run`` with it equals plain decoding."""
-    from runtime import ModelRef, RuntimeConfig, load_pipeline
-    from runtime.train.api import DataSpec, prepare_data
-    from tests.fakes import save_pair
-
-    target_dir, source = save_pair(tmp_path / "pair", block_size=4)
-    pipe = load_pipeline(ModelRef(target=str(target_dir), drafter="none"), RuntimeConfig(dtype="float32"))
-    data = tmp_path / "data"
-    prepare_data(
-        pipe.target,
-        pipe.tokenizer,
-        data,
-        [1, 2],
-        DataSpec(num_prompts=12, max_new_tokens=32, batch_size=4),
-        pipe.stop_token_ids,
-    )
+    target_dir, source, data = pair_with_data(tmp_path)
     out = tmp_path / "run"
     base = ["train", "--target", str(target_dir), "--data", str(data), "--out", str(out), "--no-eval"]
     base += ["--no-ood-eval", "--dtype", "float32", "--anchors", "8", "--draft-vocab", "full"]
@@ -314,21 +300,7 @@ def test_cli_rejects_a_bad_corpus_before_loading_anything(tmp_path, flags, messa
 
 
 def test_cli_refuses_a_corpus_for_a_drafter_without_copy_inputs(tmp_path):
-    from runtime import ModelRef, RuntimeConfig, load_pipeline
-    from runtime.train.api import DataSpec, prepare_data
-    from tests.fakes import save_pair
-
-    target_dir, source = save_pair(tmp_path / "pair", block_size=4)
-    pipe = load_pipeline(ModelRef(target=str(target_dir), drafter="none"), RuntimeConfig(dtype="float32"))
-    data = tmp_path / "data"
-    prepare_data(
-        pipe.target,
-        pipe.tokenizer,
-        data,
-        [1, 2],
-        DataSpec(num_prompts=8, max_new_tokens=16, batch_size=4),
-        pipe.stop_token_ids,
-    )
+    target_dir, source, data = pair_with_data(tmp_path, num_prompts=8, max_new_tokens=16)
     cmd = ["train", "--target", str(target_dir), "--data", str(data), "--no-eval"]
     cmd += ["--no-ood-eval", "--from-drafter", str(source), "--steps", "2"]
     r = CliRunner().invoke(app, [*cmd, "--out", str(tmp_path / "run1"), "--copy-corpus", "2,3"])

@@ -245,15 +245,9 @@ def test_cli_trains_resumes_and_exports_copy_inputs(tmp_path, flags, ngram):
     """``dflash train --copy-inputs`` (or ``--copy-ngram``) on a tiny target: the exported drafter has
     trained copy scales, the card says so, a resume keeps them, and the drafter runs losslessly in
     ``dflash run``."""
-    from runtime import ModelRef, RuntimeConfig, load_pipeline
-    from runtime.train.api import DataSpec, prepare_data
-    from tests.fakes import save_pair
+    from tests.fakes import pair_with_data
 
-    target_dir, source = save_pair(tmp_path / "pair", block_size=4)
-    pipe = load_pipeline(ModelRef(target=str(target_dir), drafter="none"), RuntimeConfig(dtype="float32"))
-    data = tmp_path / "data"
-    spec = DataSpec(num_prompts=12, max_new_tokens=32, batch_size=4)
-    prepare_data(pipe.target, pipe.tokenizer, data, [1, 2], spec, pipe.stop_token_ids)
+    target_dir, source, data = pair_with_data(tmp_path)
     out = tmp_path / "run"
     base = ["train", "--target", str(target_dir), "--data", str(data), "--out", str(out), "--no-eval"]
     base += ["--no-ood-eval", "--dtype", "float32", "--anchors", "8", "--draft-vocab", "full"]

@@ -602,12 +602,15 @@ def copy_rows(dflash: DFlashConfig) -> int:
     return dflash.copy_ngram[1] + 1 + extra
 
 
-def add_copy_corpus(model: DFlashDraftModel, ngram: tuple[int, int], table: CorpusTable) -> DFlashDraftModel:
+def add_copy_corpus(
+    model: DFlashDraftModel, ngram: tuple[int, int], table: CorpusTable | None = None
+) -> DFlashDraftModel:
     """Give a drafter with copy inputs a corpus table (``runtime.engine.corpus``).
 
     The corpus's new ``copy_scale`` / ``copy_bias`` rows start as copies of the context's 1-gram
     row: a corpus proposal replaces a 1-gram context copy (or nothing) and starts out trusted as
-    much as one. A drafter that already has a corpus of the same sizes gets the new table.
+    much as one. A drafter that already has a corpus of the same sizes gets the new table;
+    ``table`` None leaves the table to be set later (``Trainer`` builds it from its counts).
 
     Raises:
         ConfigError: the drafter has no copy inputs, or a corpus of other sizes.
@@ -617,7 +620,8 @@ def add_copy_corpus(model: DFlashDraftModel, ngram: tuple[int, int], table: Corp
         raise ConfigError("a corpus needs a drafter with copy inputs (--copy-inputs or --copy-ngram)")
     if current is not None and current != tuple(ngram):
         raise ConfigError(f"the drafter has a corpus of {list(current)}-grams, not {list(ngram)}")
-    model.corpus = table
+    if table is not None:
+        model.corpus = table
     if current is not None:
         return model
     dflash = replace(model.dflash, copy_corpus=(int(ngram[0]), int(ngram[1])))

@@ -547,7 +547,7 @@ def fit(
     if grams is not None:  # counted afresh from this run's training answers (a resumed run: the same ones)
         more = [open_eval_set(Path(p), taps, hidden) for p in corpus_data]
         counts = count_corpus([train, *more], grams, config.max_len)
-        drafter = add_copy_corpus(drafter, grams, counts.table())
+        drafter = add_copy_corpus(drafter, grams)  # the Trainer builds its table from the counts
     trainer = Trainer(drafter, embed, head, train, val, config, out_dir, device, corpus=counts)
     for name, path in (eval_sets or {}).items():
         trainer.extra_evals[name] = open_eval_set(path, taps, hidden)

@@ -217,7 +217,7 @@ class CorpusSource:
     table: CorpusTable | None = None
     leave_out: bool = False
 
-    def query(self, tokens: Sequence[int], prompt_len: int) -> Query:
+    def query(self, tokens: Sequence[int]) -> Query:
         """The query for one sequence."""
         if self.counts is not None:
             return self.counts.query_for(tokens if self.leave_out else None)
@@ -267,8 +267,8 @@ def build_batch(
         copy_ngram: with a drafter that has copy inputs, its n-gram sizes: each block also gets the
             context lookup's proposal over the sequence's tokens up to its anchor, exactly as the
             decoder computes it (``runtime.engine.lookup.block_copies``).
-        corpus: with a drafter that has a corpus table: (sequence tokens, prompt length) -> the
-            query its copy inputs use for that sequence (``CorpusSource``), and the table's n-gram sizes.
+        corpus: with a drafter that has a corpus table: sequence tokens -> the query its copy
+            inputs use for that sequence (``CorpusSource``), and the table's n-gram sizes.
 
     Returns:
         ``features`` [B, C, n*D], ``block_ids`` [B, A*b], ``labels`` [B, A, b-1] (-100 = ignore),
@@ -281,7 +281,6 @@ def build_batch(
     picked = []
     use_soft = soft is not None and all(x is not None for x in soft)
     soft_picked: list[tuple[torch.Tensor, torch.Tensor]] = []
-    plens: list[int] = []
     for si, (tokens, feats, plen) in enumerate(seqs):
         t = tokens.numel()
         lo = max(plen, 1)
@@ -290,7 +289,6 @@ def build_batch(
             continue
         chosen = sorted(rng.sample(cands, min(anchors, len(cands))))
         picked.append((tokens, feats, chosen, targets[si] if targets is not None else None))
-        plens.append(plen)
         if use_soft:
             entry = soft[si] if soft is not None else None
             assert entry is not None  # use_soft: every sequence has its top-k
@@ -319,7 +317,7 @@ def build_batch(
         t = tokens.numel()
         if copy_ngram is not None:  # the decoder's copy inputs: the context up to each anchor (sorted)
             seq, index = tokens.tolist(), NgramIndex(*copy_ngram)
-            query = corpus.query(seq, plens[i]) if corpus is not None else None
+            query = corpus.query(seq) if corpus is not None else None
             for j, a in enumerate(chosen):
                 index.extend(seq[len(index.tokens) : a + 1])
                 if query is not None and corpus is not None:
