@@ -1,5 +1,5 @@
 """The native GEMMs (runtime.engine.kernels): int8 weights x activations rounded per row to 15-bit
-integers, and bf16 weights x float32 activations; every input row computed exactly as it would be
+integers, and bf16 or float32 weights x float32 activations; every input row computed exactly as it would be
 alone (the lossless contract of greedy DFlash), and a clean fallback where they cannot be built."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from runtime.engine import kernels
 
 gemm = kernels.int8_gemm()
 bf16 = kernels.bf16_gemm()
+f32 = kernels.f32_gemm()
 needs_native = pytest.mark.skipif(gemm is None, reason=f"native kernel unavailable: {kernels.why_not()}")
 
 
@@ -60,6 +61,20 @@ def test_bf16_gemm_computes_the_float_product(n, k):
 
 
 @needs_native
+@pytest.mark.parametrize(("n", "k"), [(64, 896), (37, 77), (5, 32), (130, 4864)])
+def test_f32_gemm_computes_the_float_product(n, k):
+    g = torch.Generator().manual_seed(n + 7 * k)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g)
+    x = torch.randn(9, k, generator=g)
+    ref = x.double() @ w.double().T + b.double()
+    y = f32(x, w, b)
+    assert y.dtype == torch.float32 and y.shape == (9, n)
+    assert float((y.double() - ref).abs().max() / ref.abs().max()) < 1e-5
+    torch.testing.assert_close(f32(x, w, None), y - b)
+
+
+@needs_native
 @pytest.mark.parametrize("k", [896, 77, 33])
 def test_every_row_is_computed_as_if_alone(k):
     """A verify block of T rows gives, row for row, bit-identical results to T one-row calls."""
@@ -72,6 +87,9 @@ def test_every_row_is_computed_as_if_alone(k):
         assert torch.equal(block, alone), t
         block = bf16(x[:t], w16, b)
         alone = torch.cat([bf16(x[i : i + 1], w16, b) for i in range(t)])
+        assert torch.equal(block, alone), t
+        block = f32(x[:t], w16.float(), b)
+        alone = torch.cat([f32(x[i : i + 1], w16.float(), b) for i in range(t)])
         assert torch.equal(block, alone), t
 
 
@@ -107,12 +125,12 @@ def test_threads_do_not_change_results():
     try:
         w16 = torch.randn(200, 896).to(torch.bfloat16)
         torch.set_num_threads(1)
-        one, one16 = gemm(x, q, s, b), bf16(x, w16, b)
+        one, one16, one32 = gemm(x, q, s, b), bf16(x, w16, b), f32(x, w16.float(), b)
         torch.set_num_threads(2)
-        two, two16 = gemm(x, q, s, b), bf16(x, w16, b)
+        two, two16, two32 = gemm(x, q, s, b), bf16(x, w16, b), f32(x, w16.float(), b)
     finally:
         torch.set_num_threads(before)
-    assert torch.equal(one, two) and torch.equal(one16, two16)
+    assert torch.equal(one, two) and torch.equal(one16, two16) and torch.equal(one32, two32)
 
 
 def test_disabled_native_kernel_falls_back_with_one_line(tmp_path):

@@ -1,6 +1,6 @@
 """The decoder layers as one native call (``runtime/engine/kernels/layers.c``): the same function as
-the lean forward's PyTorch layers over the same GEMM kernels (every architecture, bf16 and int8
-weights, tree masks, taps, a growing cache), every row of a verify block bit-identical to one-token
+the lean forward's PyTorch layers over the same GEMM kernels (every architecture, bf16, int8 and
+float32 weights, tree masks, taps, a growing cache), every row of a verify block bit-identical to one-token
 steps, and greedy DFlash through it equal to plain greedy decoding of the same target."""
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ def _target(arch: str, weights: str, seed: int, monkeypatch: pytest.MonkeyPatch)
 
         quantize_model_inplace(model, "int8", "cpu")
         return model
+    if weights == "f32":
+        return model  # float32 weights: dflash's float32 GEMM on every CPU where the kernels build
     monkeypatch.setattr(linear, "cpu_has_fast_bf16", lambda: False)  # bf16 on dflash's kernel, as on AVX2
     return model.to(torch.bfloat16)
 
@@ -41,16 +43,17 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
-@pytest.mark.parametrize("weights", ["bf16", "int8"])
+@pytest.mark.parametrize("weights", ["bf16", "int8", "f32"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_native_layers_compute_the_lean_forward(arch, weights, monkeypatch):
     model = _target(arch, weights, 4, monkeypatch)
-    eager, native = LeanTarget(model, native_layers=False), LeanTarget(model)
+    f32 = weights == "f32"  # a tiny float32 target takes the native float32 GEMM only when asked
+    eager, native = LeanTarget(model, native_layers=False, native_f32=f32), LeanTarget(model, native_f32=f32)
     assert native.native_layers and not eager.native_layers
     for t in (eager, native):
         t.set_taps([0, 2, 3])
     # int8 rounds activations per row to 15 bits: a last-bit difference upstream may move one step
-    tol = 1e-5 if weights == "bf16" else 1e-3
+    tol = 1e-3 if weights == "int8" else 1e-5
     c1, c2 = eager.new_cache(capacity=8), native.new_cache(capacity=8)  # small: the cache grows
     with torch.inference_mode():
         for n in (7, 5, 1, 3, 1):
@@ -81,13 +84,13 @@ def test_native_layers_compute_the_lean_forward(arch, weights, monkeypatch):
         assert l2.shape == (1, 96) and _rel(l2, l1) < tol
 
 
-@pytest.mark.parametrize("weights", ["bf16", "int8"])
+@pytest.mark.parametrize("weights", ["bf16", "int8", "f32"])
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
 def test_a_verify_block_is_bit_identical_to_one_token_steps(arch, weights, monkeypatch):
     """The exactness contract: each row of a block (a chain, and a tree path) computes exactly what
     a one-token step at its position computes, so greedy DFlash cannot diverge from plain greedy."""
     model = _target(arch, weights, 6, monkeypatch)
-    lean = LeanTarget(model)
+    lean = LeanTarget(model, native_f32=weights == "f32")
     assert lean.native_layers
     lean.set_taps([1, 3])
     prompt, block = _ids(9, 1), _ids(5, 2)
@@ -109,10 +112,10 @@ def test_a_verify_block_is_bit_identical_to_one_token_steps(arch, weights, monke
         assert torch.equal(lt[[0, 1, 3]], lb[:3])
 
 
-@pytest.mark.parametrize("weights", ["bf16", "int8"])
+@pytest.mark.parametrize("weights", ["bf16", "int8", "f32"])
 def test_dflash_through_native_layers_equals_plain_greedy(weights, monkeypatch):
     model = _target("qwen2", weights, 3, monkeypatch)
-    lean = LeanTarget(model)
+    lean = LeanTarget(model, native_f32=weights == "f32")
     assert lean.native_layers
     drafter = make_drafter(model.config, block_size=6, taps=[0, 2, 3])
     if weights == "bf16":
@@ -129,20 +132,23 @@ def test_dflash_through_native_layers_equals_plain_greedy(weights, monkeypatch):
 
 
 def test_native_layers_are_refused_where_they_cannot_run():
-    model = make_target("qwen3", vocab_size=96, seed=1)  # float32 weights: oneDNN's packed GEMMs
+    model = make_target("qwen3", vocab_size=96, seed=1)  # a tiny float32 target: oneDNN's packed GEMMs
     assert not LeanTarget(model).native_layers
     with pytest.raises(ValueError, match="native layers cannot run"):
         LeanTarget(model, native_layers=True)
 
 
-def test_a_long_prefill_runs_pytorch_layers_then_steps_run_native(monkeypatch):
-    """Prompts longer than NATIVE_MAX_ROWS take PyTorch's layers (SDPA); the cache they write is the
-    one the native steps read."""
+@pytest.mark.parametrize("weights", ["bf16", "f32"])
+def test_a_long_prefill_runs_pytorch_layers_then_steps_run_native(weights, monkeypatch):
+    """Prompts longer than NATIVE_MAX_ROWS take PyTorch's layers (SDPA; with float32 weights the
+    BLAS GEMM past F32_NATIVE_MAX_ROWS); the cache they write is the one the native steps read."""
     from runtime.engine import lean_target
 
-    model = _target("qwen2", "bf16", 5, monkeypatch)
-    eager, native = LeanTarget(model, native_layers=False), LeanTarget(model)
+    model = _target("qwen2", weights, 5, monkeypatch)
+    f32 = weights == "f32"
+    eager, native = LeanTarget(model, native_layers=False, native_f32=f32), LeanTarget(model, native_f32=f32)
     monkeypatch.setattr(lean_target, "NATIVE_MAX_ROWS", 4)
+    monkeypatch.setattr(linear, "F32_NATIVE_MAX_ROWS", 4)
     called = []
     real = native._native_body
     monkeypatch.setattr(native, "_native_body", lambda *a, **k: called.append(a[0].shape[1]) or real(*a, **k))

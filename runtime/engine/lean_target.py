@@ -51,6 +51,15 @@ _FAMILIES = ("llama", "qwen2", "qwen3")
 # 64 prompt tokens 0.79 s native vs 0.91 s, 256 tokens 3.54 s vs 3.35 s, 1,024 19.5 s vs 16.3 s)
 NATIVE_MAX_ROWS = 128
 
+# Float32 targets of at least this many parameters run dflash's float32 GEMM and the native layers:
+# their steps are bound by reading the weights (2 GB a step for the 0.5B coder), which that kernel
+# streams once for all rows of a verify. On the 0.5B coder (2-core AVX-512 EPYC), a one-token step
+# takes ~53 ms instead of ~85 ms with oneDNN's packed GEMMs, and a 4-token verify ~80 ms instead of
+# ~106 ms. A smaller model's weights stay in cache, where its steps are bound by the arithmetic of
+# each row, and oneDNN's kernel keeps a verify of a few rows close to one row's cost (a 64-wide
+# test target: 1.07x at 2-5 rows against 1.2-1.5x), which is what drafting needs.
+NATIVE_F32_MIN_PARAMS = 50_000_000
+
 
 def lean_supported(model: nn.Module) -> str | None:
     """Why ``LeanTarget`` cannot run ``model`` (None when it can)."""
@@ -166,13 +175,13 @@ class _CastEmbedding:
 class _Layer:
     """One decoder layer's weights, read from the transformers module."""
 
-    def __init__(self, layer: Any, pack: bool, act: torch.dtype) -> None:
+    def __init__(self, layer: Any, pack: bool, act: torch.dtype, native_f32: bool = False) -> None:
         # a transformers decoder layer (dynamic attributes: typed Any)
         attn, mlp = layer.self_attn, layer.mlp
-        self.qkv = FusedLinear([attn.q_proj, attn.k_proj, attn.v_proj], pack)
-        self.o = FusedLinear([attn.o_proj], pack)
-        self.gate_up = FusedLinear([mlp.gate_proj, mlp.up_proj], pack)
-        self.down = FusedLinear([mlp.down_proj], pack)
+        self.qkv = FusedLinear([attn.q_proj, attn.k_proj, attn.v_proj], pack, native_f32)
+        self.o = FusedLinear([attn.o_proj], pack, native_f32)
+        self.gate_up = FusedLinear([mlp.gate_proj, mlp.up_proj], pack, native_f32)
+        self.down = FusedLinear([mlp.down_proj], pack, native_f32)
         self.ln1 = layer.input_layernorm.weight.detach().to(act)
         self.ln2 = layer.post_attention_layernorm.weight.detach().to(act)
         self.eps1 = float(layer.input_layernorm.variance_epsilon)
@@ -197,6 +206,8 @@ class LeanTarget(TargetModel):
         native_layers: run the decoder layers as one native call (``kernels/layers.c``); None:
             wherever every projection runs on dflash's native kernels with float32 activations.
             True where that does not hold raises ``ValueError``.
+        native_f32: float32 weights run dflash's native float32 GEMM (and then the native layers);
+            None: for targets of at least ``NATIVE_F32_MIN_PARAMS`` parameters on a CPU.
     """
 
     def __init__(
@@ -205,6 +216,7 @@ class LeanTarget(TargetModel):
         pack: bool | None = None,
         float_activations: bool | None = None,
         native_layers: bool | None = None,
+        native_f32: bool | None = None,
     ) -> None:
         super().__init__(model)
         why = lean_supported(model)
@@ -223,12 +235,15 @@ class LeanTarget(TargetModel):
         self.n_kv = int(getattr(cfg, "num_key_value_heads", None) or self.n_heads)
         attn0: Any = self.layers[0].self_attn
         self.head_dim = int(attn0.head_dim)
-        self.lean_layers = [_Layer(layer, pack, act) for layer in self.layers]
+        if native_f32 is None:
+            native_f32 = sum(p.numel() for p in model.parameters()) >= NATIVE_F32_MIN_PARAMS
+        f32 = bool(native_f32) and weights == torch.float32
+        self.lean_layers = [_Layer(layer, pack, act, f32) for layer in self.layers]
         inner: Any = model.model
         self.final_norm = inner.norm.weight.detach().to(act)
         self.final_eps = float(inner.norm.variance_epsilon)
         self.rotary = inner.rotary_emb
-        self.head = FusedLinear([self.lm_head], pack)
+        self.head = FusedLinear([self.lm_head], pack, f32)
         # an int8 body (--quantize int8) gets an int8 head too: in float the head would be the
         # largest weight read per step (136M of the 0.5B coder's parameters), as in llama.cpp's Q8_0
         self.int8 = any(lay.qkv.int8 for lay in self.lean_layers)
@@ -256,8 +271,8 @@ class LeanTarget(TargetModel):
             return "needs float32 activations on a CPU"
         for lay in self.lean_layers:
             for f in (lay.qkv, lay.o, lay.gate_up, lay.down):
-                if not ((f.int8 and f.native is not None) or f.bf16 is not None):
-                    return "a projection does not run on dflash's int8 or bf16 kernel"
+                if not ((f.int8 and f.native is not None) or f.bf16 is not None or f.f32 is not None):
+                    return "a projection does not run on dflash's int8, bf16 or float32 kernel"
         if self.head_dim > 512 or self.n_heads % self.n_kv:
             return "head shape"
         from runtime.engine.kernels import layers_fn
@@ -281,7 +296,8 @@ class LeanTarget(TargetModel):
             assert f.weight is not None
             n, k = f.weight.shape
             scale = f.scale if f.int8 else None
-            return kernels.Proj(ptr(f.weight), ptr(scale), ptr(f.bias), int(n), int(k), 1 if f.int8 else 0)
+            kind = 1 if f.int8 else 2 if f.f32 is not None else 0  # layers.c: int8, float32 or bf16 weights
+            return kernels.Proj(ptr(f.weight), ptr(scale), ptr(f.bias), int(n), int(k), kind)
 
         arr = (kernels.Layer * len(self.lean_layers))()
         for i, lay in enumerate(self.lean_layers):

@@ -60,6 +60,20 @@ def _native_bf16() -> Any:
     return bf16_gemm()
 
 
+def _native_f32() -> Any:
+    """dflash's float32 GEMM for decode and verify steps on a CPU (else None: not built here, or
+    switched off with ``DFLASH_NATIVE=0``)."""
+    from runtime.engine.kernels import f32_gemm
+
+    return f32_gemm()
+
+
+# Float32 steps of at most this many rows run dflash's native GEMM, longer ones (a prompt's prefill)
+# the BLAS ``F.linear``. Every decode step and every verify block or tree (at most 65 rows) stays on
+# the native kernel, so a row's value never depends on how many rows its step verified.
+F32_NATIVE_MAX_ROWS = 128
+
+
 def int8_kernel_available(device: torch.device) -> bool:
     """Whether ATen's int8 weight-only GEMM runs on ``device`` (CPU builds of torch >= 2.3)."""
     return device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int8pack_mm")
@@ -97,9 +111,11 @@ class FusedLinear:
     Args:
         modules: ``nn.Linear`` layers with the same ``in_features``.
         pack: pack for oneDNN (see ``can_pack``); ignored for weights that are not plain tensors.
+        native_f32: float32 weights on a CPU run dflash's native float32 GEMM (where it builds)
+            instead of oneDNN's packed one: for steps bound by weight reads (see ``LeanTarget``).
     """
 
-    def __init__(self, modules: Sequence[Any], pack: bool) -> None:
+    def __init__(self, modules: Sequence[Any], pack: bool, native_f32: bool = False) -> None:
         self.modules: list[Any] = list(modules)  # nn.Linear or anything with .weight/.bias and a call
         weights = [m.weight for m in self.modules]
         biases = [getattr(m, "bias", None) for m in self.modules]
@@ -109,6 +125,9 @@ class FusedLinear:
         if self.packed and weights[0].dtype == torch.bfloat16 and weights[0].device.type == "cpu":
             self.bf16 = _native_bf16()
             self.packed = self.bf16 is not None or cpu_has_fast_bf16()
+        self.f32: Any = None  # float32 mode: dflash's native float32 GEMM for steps (see F32_NATIVE_MAX_ROWS)
+        if native_f32 and self.packed and weights[0].dtype == torch.float32 and weights[0].device.type == "cpu":
+            self.f32 = _native_f32()
         self.weight: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
         self.scale: torch.Tensor | None = None  # int8 mode: per-row scales (bf16)
@@ -132,7 +151,7 @@ class FusedLinear:
         if self.packed:
             with torch.no_grad():
                 w = torch.cat([x.detach() for x in weights]) if len(weights) > 1 else weights[0].detach()
-                if self.bf16 is not None:
+                if self.bf16 is not None or self.f32 is not None:
                     self.weight = w.contiguous()
                     bias = self._cat_bias(biases, w)
                     self.bias = bias.float().contiguous() if bias is not None else None
@@ -176,6 +195,12 @@ class FusedLinear:
         """Outputs of every layer for input rows ``x`` [T, in_features] -> ([T, out_i], ...)."""
         if torch.compiler.is_compiling() and (self.native is not None or self.bf16 is not None or self.packed):
             return self._traced(x)
+        if self.f32 is not None:
+            if x.shape[0] <= F32_NATIVE_MAX_ROWS:
+                y = self.f32(x, self.weight, self.bias)
+            else:
+                y = nn.functional.linear(x, self.weight, self.bias)  # type: ignore[arg-type]
+            return tuple(y.split(self.sizes, dim=-1)) if len(self.sizes) > 1 else (y,)
         if self.int8:
             if self.native is not None:
                 y = self.native(x, self.weight, self.scale, self.bias).to(x.dtype)
@@ -200,6 +225,8 @@ class FusedLinear:
             y = ops.int8_gemm(x.float().contiguous(), self.weight, self.scale, self.bias).to(x.dtype)
         elif self.bf16 is not None:
             y = ops.bf16_gemm(x.float().contiguous(), self.weight, self.bias).to(x.dtype)
+        elif self.f32 is not None:
+            y = ops.f32_linear(x.contiguous(), self.weight, self.bias)
         else:
             y = ops.packed_linear(x.contiguous(), self.weight, self.bias, sum(self.sizes))
         return tuple(y.split(self.sizes, dim=-1)) if len(self.sizes) > 1 else (y,)

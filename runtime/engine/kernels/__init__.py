@@ -9,8 +9,11 @@
 - ``bf16_gemm``: bfloat16 weights, widened to float32 exactly, float32 accumulation. On CPUs without native bf16
   (AVX2, AVX-512 without BF16) oneDNN and ATen emulate bf16 GEMMs several times slower than
   float32; this reads half float32's bytes at float32's arithmetic.
+- ``f32_gemm``: float32 weights in register-blocked tiles (2 input rows x 4 weight rows). With
+  float32's bytes a step of a few rows runs out of arithmetic sooner than with bf16 or int8 weights,
+  so this one shares loads across a tile instead of streaming one weight row at a time.
 
-Both read each weight row once per call for all rows of a verify block, and compute every row
+All three read each weight row once per call for all rows of a verify block, and compute every row
 exactly as it would alone (the lossless contract of greedy DFlash).
 
 The shared library is built with the system C compiler (``cc``, ``gcc`` or ``clang`` on PATH) into
@@ -174,6 +177,13 @@ def bf16_gemm() -> Bf16Gemm | None:
     """The compiled bf16-weight GEMM, ``f(x [M, K] f32, w [N, K] bf16, bias [N] f32 | None) -> y [M, N]
     f32``, or None where it cannot run here (see ``why_not``)."""
     fn: Bf16Gemm | None = _kernel("bf16", "dflash_bf16_gemm", _wrap_bf16, "ATen's bf16 GEMM")
+    return fn
+
+
+def f32_gemm() -> Bf16Gemm | None:
+    """The compiled float32-weight GEMM, ``f(x [M, K] f32, w [N, K] f32, bias [N] f32 | None) -> y [M, N]
+    f32``, or None where it cannot run here (see ``why_not``)."""
+    fn: Bf16Gemm | None = _kernel("f32", "dflash_f32_gemm", _wrap_bf16, "oneDNN's float32 GEMM")
     return fn
 
 

@@ -1,5 +1,5 @@
 /* The decoder layers of a Llama-family target (Llama, Qwen2/2.5, Qwen3) for one decode or verify step,
- * in one native call: float32 activations, projections through dflash's int8 or bf16 GEMMs (gemm.c).
+ * in one native call: float32 activations, projections through dflash's int8, bf16 or float32 GEMMs (gemm.c).
  *
  * Why: at one to a few rows a step's arithmetic between the GEMMs (norms, rotary embedding,
  * attention over a few hundred keys, SiLU, residual adds) is tiny, but in eager PyTorch it is ~20
@@ -29,14 +29,16 @@ int dflash_int8_gemm(const float *x, int64_t M, int64_t K, const int8_t *w, cons
                      int64_t N, float *y, int threads);
 void dflash_bf16_gemm(const float *x, int64_t M, int64_t K, const uint16_t *w, const float *bias, int64_t N, float *y,
                       int threads);
+void dflash_f32_gemm(const float *x, int64_t M, int64_t K, const float *w, const float *bias, int64_t N, float *y,
+                     int threads);
 
-/* One projection: weights [N, K] (int8 with one scale per row, or bf16), bias [N] or NULL. */
+/* One projection: weights [N, K] (int8 with one scale per row, bf16 or float32), bias [N] or NULL. */
 typedef struct {
     const void *w;
     const float *scale; /* int8: per-row scales; bf16: NULL */
     const float *bias;
     int64_t n, k;
-    int64_t int8; /* 1 = int8 weights, 0 = bf16 */
+    int64_t int8; /* 1 = int8 weights, 0 = bf16, 2 = float32 */
 } Proj;
 
 /* One decoder layer (the order of fields is the ctypes Structure in kernels/__init__.py). */
@@ -53,7 +55,11 @@ typedef struct {
 } Shape;
 
 static int proj(const Proj *p, const float *x, int64_t m, float *y, int threads) {
-    if (p->int8) return dflash_int8_gemm(x, m, p->k, (const int8_t *)p->w, p->scale, p->bias, p->n, y, threads);
+    if (p->int8 == 1) return dflash_int8_gemm(x, m, p->k, (const int8_t *)p->w, p->scale, p->bias, p->n, y, threads);
+    if (p->int8 == 2) {
+        dflash_f32_gemm(x, m, p->k, (const float *)p->w, p->bias, p->n, y, threads);
+        return 0;
+    }
     dflash_bf16_gemm(x, m, p->k, (const uint16_t *)p->w, p->bias, p->n, y, threads);
     return 0;
 }

@@ -36,6 +36,24 @@ def _(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tens
     return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32)
 
 
+@torch.library.custom_op("dflash::f32_linear", mutates_args=())
+def f32_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A float32 projection as ``FusedLinear`` computes it: dflash's native GEMM for a step's rows
+    (``kernels.f32_gemm``), the BLAS for a longer prefill. y [M, N] float32."""
+    from runtime.engine.linear import F32_NATIVE_MAX_ROWS
+
+    fn = kernels.f32_gemm()
+    assert fn is not None
+    if x.shape[0] <= F32_NATIVE_MAX_ROWS:
+        return fn(x, w, bias)
+    return torch.nn.functional.linear(x, w, bias)
+
+
+@f32_linear.register_fake
+def _(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32)
+
+
 @torch.library.custom_op("dflash::packed_linear", mutates_args=())
 def packed_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
     """oneDNN's GEMM over a prepacked weight (``mkldnn._reorder_linear_weight``): y [M, n]."""
