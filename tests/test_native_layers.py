@@ -131,6 +131,20 @@ def test_dflash_through_native_layers_equals_plain_greedy(weights, monkeypatch):
         assert greedy_pair(lean, drafter, p, 16, block_size=6) == (ref, ref)
 
 
+def test_float32_targets_take_the_native_kernel_from_a_size_on(monkeypatch):
+    """By default only float32 targets of NATIVE_F32_MIN_PARAMS parameters or more (steps bound by
+    weight reads) run dflash's float32 GEMM and the native layers; DFLASH_NATIVE=0 keeps oneDNN."""
+    from runtime.engine import lean_target
+
+    model = make_target("qwen2", vocab_size=96, seed=2)
+    assert not LeanTarget(model).native_layers
+    monkeypatch.setattr(lean_target, "NATIVE_F32_MIN_PARAMS", 1000)
+    lean = LeanTarget(model)
+    assert lean.native_layers and all(f.f32 is not None for f in (lean.lean_layers[0].qkv, lean.head))
+    monkeypatch.setattr(linear, "_native_f32", lambda: None)  # as with DFLASH_NATIVE=0
+    assert not LeanTarget(model).native_layers
+
+
 def test_native_layers_are_refused_where_they_cannot_run():
     model = make_target("qwen3", vocab_size=96, seed=1)  # a tiny float32 target: oneDNN's packed GEMMs
     assert not LeanTarget(model).native_layers
