@@ -47,31 +47,19 @@ def test_int8_gemm_computes_the_dequantized_product(n, k):
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("n", "k"), [(64, 896), (37, 77), (5, 32), (130, 4864)])
-def test_bf16_gemm_computes_the_float_product(n, k):
+def test_float_weight_gemms_compute_the_float_product(n, k, dtype):
+    fn = bf16 if dtype == torch.bfloat16 else f32
     g = torch.Generator().manual_seed(n * k)
-    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    w = torch.randn(n, k, generator=g).to(dtype)
     b = torch.randn(n, generator=g)
     x = torch.randn(9, k, generator=g)
     ref = x.double() @ w.double().T + b.double()
-    y = bf16(x, w, b)
+    y = fn(x, w, b)
     assert y.dtype == torch.float32 and y.shape == (9, n)
     assert float((y.double() - ref).abs().max() / ref.abs().max()) < 1e-5
-    torch.testing.assert_close(bf16(x, w, None), y - b)
-
-
-@needs_native
-@pytest.mark.parametrize(("n", "k"), [(64, 896), (37, 77), (5, 32), (130, 4864)])
-def test_f32_gemm_computes_the_float_product(n, k):
-    g = torch.Generator().manual_seed(n + 7 * k)
-    w = torch.randn(n, k, generator=g)
-    b = torch.randn(n, generator=g)
-    x = torch.randn(9, k, generator=g)
-    ref = x.double() @ w.double().T + b.double()
-    y = f32(x, w, b)
-    assert y.dtype == torch.float32 and y.shape == (9, n)
-    assert float((y.double() - ref).abs().max() / ref.abs().max()) < 1e-5
-    torch.testing.assert_close(f32(x, w, None), y - b)
+    torch.testing.assert_close(fn(x, w, None), y - b)
 
 
 @needs_native

@@ -235,9 +235,9 @@ class LeanTarget(TargetModel):
         self.n_kv = int(getattr(cfg, "num_key_value_heads", None) or self.n_heads)
         attn0: Any = self.layers[0].self_attn
         self.head_dim = int(attn0.head_dim)
-        if native_f32 is None:
-            native_f32 = sum(p.numel() for p in model.parameters()) >= NATIVE_F32_MIN_PARAMS
-        f32 = bool(native_f32) and weights == torch.float32
+        f32 = weights == torch.float32 and (
+            native_f32 if native_f32 is not None else sum(p.numel() for p in model.parameters()) >= NATIVE_F32_MIN_PARAMS
+        )
         self.lean_layers = [_Layer(layer, pack, act, f32) for layer in self.layers]
         inner: Any = model.model
         self.final_norm = inner.norm.weight.detach().to(act)
@@ -296,7 +296,7 @@ class LeanTarget(TargetModel):
             assert f.weight is not None
             n, k = f.weight.shape
             scale = f.scale if f.int8 else None
-            kind = 1 if f.int8 else 2 if f.f32 is not None else 0  # layers.c: int8, float32 or bf16 weights
+            kind = 1 if f.int8 else 2 if f.f32 is not None else 0  # Proj.kind: int8, float32 or bf16 weights
             return kernels.Proj(ptr(f.weight), ptr(scale), ptr(f.bias), int(n), int(k), kind)
 
         arr = (kernels.Layer * len(self.lean_layers))()

@@ -74,6 +74,15 @@ def _native_f32() -> Any:
 F32_NATIVE_MAX_ROWS = 128
 
 
+def f32_project(fn: Any, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A float32 projection: ``fn`` (dflash's float32 GEMM) for a step's rows, the BLAS above
+    ``F32_NATIVE_MAX_ROWS`` rows. y [M, N]."""
+    if x.shape[0] <= F32_NATIVE_MAX_ROWS:
+        y: torch.Tensor = fn(x, w, bias)
+        return y
+    return nn.functional.linear(x, w, bias)
+
+
 def int8_kernel_available(device: torch.device) -> bool:
     """Whether ATen's int8 weight-only GEMM runs on ``device`` (CPU builds of torch >= 2.3)."""
     return device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int8pack_mm")
@@ -196,11 +205,9 @@ class FusedLinear:
         if torch.compiler.is_compiling() and (self.native is not None or self.bf16 is not None or self.packed):
             return self._traced(x)
         if self.f32 is not None:
-            if x.shape[0] <= F32_NATIVE_MAX_ROWS:
-                y = self.f32(x, self.weight, self.bias)
-            else:
-                y = nn.functional.linear(x, self.weight, self.bias)  # type: ignore[arg-type]
-            return tuple(y.split(self.sizes, dim=-1)) if len(self.sizes) > 1 else (y,)
+            assert self.weight is not None
+            y = f32_project(self.f32, x, self.weight, self.bias)
+            return tuple(torch.split(y, self.sizes, dim=-1)) if len(self.sizes) > 1 else (y,)
         if self.int8:
             if self.native is not None:
                 y = self.native(x, self.weight, self.scale, self.bias).to(x.dtype)

@@ -188,7 +188,7 @@ def f32_gemm() -> Bf16Gemm | None:
 
 
 class Proj(ctypes.Structure):
-    """One projection of ``layers.c``: weights [n, k] (int8 + per-row scales, or bf16), bias or NULL."""
+    """One projection of ``layers.c``: weights [n, k] (int8 + per-row scales, bf16 or float32), bias or NULL."""
 
     _fields_ = [
         ("w", ctypes.c_void_p),
@@ -196,7 +196,7 @@ class Proj(ctypes.Structure):
         ("bias", ctypes.c_void_p),
         ("n", ctypes.c_int64),
         ("k", ctypes.c_int64),
-        ("int8", ctypes.c_int64),
+        ("kind", ctypes.c_int64),  # weights: 0 = bf16, 1 = int8, 2 = float32
     ]
 
 

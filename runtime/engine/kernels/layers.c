@@ -35,10 +35,10 @@ void dflash_f32_gemm(const float *x, int64_t M, int64_t K, const float *w, const
 /* One projection: weights [N, K] (int8 with one scale per row, bf16 or float32), bias [N] or NULL. */
 typedef struct {
     const void *w;
-    const float *scale; /* int8: per-row scales; bf16: NULL */
+    const float *scale; /* int8: per-row scales; bf16, float32: NULL */
     const float *bias;
     int64_t n, k;
-    int64_t int8; /* 1 = int8 weights, 0 = bf16, 2 = float32 */
+    int64_t kind; /* weights: 0 = bf16, 1 = int8, 2 = float32 */
 } Proj;
 
 /* One decoder layer (the order of fields is the ctypes Structure in kernels/__init__.py). */
@@ -55,8 +55,8 @@ typedef struct {
 } Shape;
 
 static int proj(const Proj *p, const float *x, int64_t m, float *y, int threads) {
-    if (p->int8 == 1) return dflash_int8_gemm(x, m, p->k, (const int8_t *)p->w, p->scale, p->bias, p->n, y, threads);
-    if (p->int8 == 2) {
+    if (p->kind == 1) return dflash_int8_gemm(x, m, p->k, (const int8_t *)p->w, p->scale, p->bias, p->n, y, threads);
+    if (p->kind == 2) {
         dflash_f32_gemm(x, m, p->k, (const float *)p->w, p->bias, p->n, y, threads);
         return 0;
     }

@@ -38,15 +38,13 @@ def _(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tens
 
 @torch.library.custom_op("dflash::f32_linear", mutates_args=())
 def f32_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """A float32 projection as ``FusedLinear`` computes it: dflash's native GEMM for a step's rows
-    (``kernels.f32_gemm``), the BLAS for a longer prefill. y [M, N] float32."""
-    from runtime.engine.linear import F32_NATIVE_MAX_ROWS
+    """A float32 projection as ``FusedLinear`` computes it (``linear.f32_project``: dflash's native
+    GEMM for a step's rows, the BLAS for a longer prefill). y [M, N] float32."""
+    from runtime.engine.linear import f32_project
 
     fn = kernels.f32_gemm()
     assert fn is not None
-    if x.shape[0] <= F32_NATIVE_MAX_ROWS:
-        return fn(x, w, bias)
-    return torch.nn.functional.linear(x, w, bias)
+    return f32_project(fn, x, w, bias)
 
 
 @f32_linear.register_fake
