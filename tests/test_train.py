@@ -194,6 +194,10 @@ def test_cli_train_end_to_end(tiny, tmp_path, monkeypatch):
     card = (drafter_dir / "README.md").read_text()
     assert "median tau" in card and "Reproduce" in card
     assert "dflash train --target" in card and "--steps 30" in card
+    # the continue line names the run folder as the commands above it do (they run from one folder)
+    trained = next(line for line in card.splitlines() if line.startswith("dflash train --target"))
+    cont = next(line for line in card.splitlines() if "--resume --extend" in line)
+    assert cont.split("--out ")[1].split()[0] == trained.split("--out ")[1].split()[0]
     assert "answered prompts in" in card  # the dataset's size
     # in-distribution and OOD side by side, top-k coverage per slot, OOV share, the data mix
     assert "| | in_distribution | ood |" in card and "pooled tau" in card
@@ -653,3 +657,11 @@ def test_grown_drafter_starts_as_its_source_then_trains(tiny, tmp_path):
     fewer = [*base, "--out", str(tmp_path / "x"), "--from-drafter", str(second / "drafter"), "--layers", "1"]
     bad = CliRunner().invoke(app, [*fewer, "--steps", "1"])
     assert bad.exit_code == 2 and "a fine-tune can only add layers" in bad.output
+
+
+def test_recorded_out_reads_the_last_command() -> None:
+    from dflash_cli.commands.train import _recorded_out
+
+    assert _recorded_out(["dflash train --out runs/a --data d", "dflash train --out runs/a --eval-only"]) == "runs/a"
+    assert _recorded_out(["dflash train --out=runs/b"]) == "runs/b"
+    assert _recorded_out(["dflash train --data d"]) is None

@@ -626,6 +626,19 @@ def _portable_arg(arg: str, base: Path) -> str:
         return str(Path(*p.parts[-2:]))
 
 
+def _recorded_out(cmds: list[str]) -> str | None:
+    """The run folder as the last recorded command names it (``--out X`` or ``--out=X``), so that
+    the card's continue line runs from the same folder as the commands above it."""
+    for c in reversed(cmds):
+        args = shlex.split(c)
+        for i, a in enumerate(args):
+            if a == "--out" and i + 1 < len(args):
+                return args[i + 1]
+            if a.startswith("--out="):
+                return a.split("=", 1)[1]
+    return None
+
+
 def _command_line(argv: list[str]) -> str:
     return "dflash " + " ".join(shlex.quote(a) for a in argv[1:])
 
@@ -958,7 +971,8 @@ def model_card(
         "```",
         *cmds,
         "# continue from the last checkpoint with a new schedule segment:",
-        f"dflash train --out {shlex.quote(_portable_arg(str(out.resolve()), out))} --resume --extend --time-budget 1h",
+        f"dflash train --out {shlex.quote(_recorded_out(cmds) or _portable_arg(str(out.resolve()), out))} "
+        "--resume --extend --time-budget 1h",
         "```",
         "",
     ]
