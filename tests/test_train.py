@@ -664,4 +664,5 @@ def test_recorded_out_reads_the_last_command() -> None:
 
     assert _recorded_out(["dflash train --out runs/a --data d", "dflash train --out runs/a --eval-only"]) == "runs/a"
     assert _recorded_out(["dflash train --out=runs/b"]) == "runs/b"
+    assert _recorded_out(["dflash train -o runs/c --steps 3"]) == "runs/c"
     assert _recorded_out(["dflash train --data d"]) is None

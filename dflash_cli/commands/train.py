@@ -627,12 +627,12 @@ def _portable_arg(arg: str, base: Path) -> str:
 
 
 def _recorded_out(cmds: list[str]) -> str | None:
-    """The run folder as the last recorded command names it (``--out X`` or ``--out=X``), so that
+    """The run folder as the last recorded command names it (``--out X``, ``-o X`` or ``--out=X``), so that
     the card's continue line runs from the same folder as the commands above it."""
     for c in reversed(cmds):
         args = shlex.split(c)
         for i, a in enumerate(args):
-            if a == "--out" and i + 1 < len(args):
+            if a in ("--out", "-o") and i + 1 < len(args):
                 return args[i + 1]
             if a.startswith("--out="):
                 return a.split("=", 1)[1]
