@@ -94,6 +94,7 @@ for i in range(n_seq):
         stats["top2"][0] += int(rank[j] < 2)
         stats["top2"][1] += 1
 print("top-1 at every anchor, slots 1/2/3: " + " / ".join(f"{c / max(n, 1):.1%} (n={n})" for c, n in slots))
+print("counts: " + " / ".join(f"{c}/{n}" for c, n in slots))
 tot = stats["all"][1]
 for k, (c, n) in sorted(stats.items(), key=lambda x: -x[1][1]):
     print(f"{k:16s} n={n:6d} share={n / tot:6.1%} acc={c / max(n, 1):6.1%}")
