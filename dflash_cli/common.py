@@ -113,6 +113,14 @@ LookupOpt = Annotated[
         "tokens occurred before, verified with the tree; 0 = off (default: 16).",
     ),
 ]
+ConfidenceCutOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--confidence-cut/--no-confidence-cut",
+        help="Where the device verifies chains, verify per step only the drafts the drafter is sure enough "
+        "of to be worth their cost (default: on; also DFLASH_CONFIDENCE_CUT=0).",
+    ),
+]
 DecoderOpt = Annotated[DecoderChoice, typer.Option("--decoder", help="dflash (speculative) or ar (plain).")]
 ServerOpt = Annotated[
     str | None,

@@ -156,6 +156,9 @@ class DecodeOptions:
         lookup: with tree verification, most tokens per step copied from the context where its last
             tokens occurred before (``runtime.engine.lookup``); 0 = off; None: the default
             (``DEFAULT_LOOKUP``).
+        confidence_cut: where the device's plan is a chain, verify per step only the drafts the
+            drafter's own confidence makes worth their cost (``tree_budget.ConfidenceCut``); None: on
+            unless DFLASH_CONFIDENCE_CUT is 0.
     """
 
     decoder: str = "dflash"
@@ -163,6 +166,7 @@ class DecodeOptions:
     verify_length: int | None = None
     tree_budget: int | None = None
     lookup: int | None = None
+    confidence_cut: bool | None = None
 
     def __post_init__(self) -> None:
         if self.decoder not in ("dflash", "ar"):

@@ -9,6 +9,7 @@ CLI, the TUI, bench and the server make.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -368,7 +369,12 @@ class Pipeline:
         stats = recorded.get("acceptance_conditional")
         prior = [float(x) for x in stats] if stats else None
         table = recorded.get("rank_coverage")  # [depth][rank], where a drafter records it
-        return AdaptiveTreeBudget(block_size - 1, cost, draft_cost=draft_cost, prior=prior, prior_table=table)
+        cut = opts.confidence_cut
+        if cut is None:
+            cut = os.environ.get("DFLASH_CONFIDENCE_CUT", "1").strip().lower() not in ("0", "false", "no", "off")
+        return AdaptiveTreeBudget(
+            block_size - 1, cost, draft_cost=draft_cost, prior=prior, prior_table=table, confidence=cut
+        )
 
     def make_decoder(self, opts: DecodeOptions | None = None) -> Decoder:
         """Build the decoder these options ask for.

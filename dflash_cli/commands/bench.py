@@ -18,6 +18,7 @@ from typing import Annotated, Any
 import typer
 
 from ..common import (
+    ConfidenceCutOpt,
     DeviceOpt,
     DrafterOpt,
     DtypeChoice,
@@ -137,6 +138,7 @@ def bench(
         ),
     ] = None,
     lookup: LookupOpt = None,
+    confidence_cut: ConfidenceCutOpt = None,
     lookups: Annotated[
         str | None,
         typer.Option(
@@ -206,6 +208,7 @@ def bench(
         tree_budget=tree_budget,
         lookups=_ints_or_auto(lookups, "--lookups", "lengths like 0,8,16,auto"),
         lookup=lookup,
+        confidence_cut=confidence_cut,
         max_new_tokens=max_tokens,
         temperature=temperature,
         seed=seed,

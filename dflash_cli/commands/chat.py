@@ -18,6 +18,7 @@ import typer
 
 from ..common import (
     BlockSizeOpt,
+    ConfidenceCutOpt,
     DecoderChoice,
     DecoderOpt,
     DeviceOpt,
@@ -94,6 +95,7 @@ def chat(
     verify_length: VerifyOpt = None,
     tree_budget: TreeBudgetOpt = None,
     lookup: LookupOpt = None,
+    confidence_cut: ConfidenceCutOpt = None,
     decoder: DecoderOpt = DecoderChoice.dflash,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = DtypeChoice.auto,
@@ -153,6 +155,7 @@ def chat(
         verify_length=verify_length,
         tree_budget=tree_budget,
         lookup=lookup,
+        confidence_cut=confidence_cut,
     )
     session = session_options(model, target, drafter, device, dtype, offline, revision, quantize, threads, server, opts)
     resume_id = _resume_id(resume, db) if resume is not None else None

@@ -16,6 +16,7 @@ import typer
 from ..common import (
     BlockSizeOpt,
     ColorChoice,
+    ConfidenceCutOpt,
     DecoderChoice,
     DecoderOpt,
     DeviceOpt,
@@ -93,6 +94,7 @@ def run(
     verify_length: VerifyOpt = None,
     tree_budget: TreeBudgetOpt = None,
     lookup: LookupOpt = None,
+    confidence_cut: ConfidenceCutOpt = None,
     decoder: DecoderOpt = DecoderChoice.dflash,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = DtypeChoice.auto,
@@ -140,6 +142,7 @@ def run(
         verify_length=verify_length,
         tree_budget=tree_budget,
         lookup=lookup,
+        confidence_cut=confidence_cut,
     )
     use_chat = False if raw else (True if chat else None)
     cancel = CancelToken()

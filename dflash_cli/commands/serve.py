@@ -21,6 +21,7 @@ import typer
 
 from ..common import (
     BlockSizeOpt,
+    ConfidenceCutOpt,
     DecoderChoice,
     DecoderOpt,
     DeviceOpt,
@@ -190,6 +191,7 @@ def serve(
     verify_length: VerifyOpt = None,
     tree_budget: TreeBudgetOpt = None,
     lookup: LookupOpt = None,
+    confidence_cut: ConfidenceCutOpt = None,
     decoder: DecoderOpt = DecoderChoice.dflash,
     draft_tokens: Annotated[
         int | None,
@@ -250,6 +252,7 @@ def serve(
         verify_length=verify_length,
         tree_budget=tree_budget,
         lookup=lookup,
+        confidence_cut=confidence_cut,
     )
     api_key = os.environ.get("DFLASH_API_KEY", "").strip() or None
     session = session_options(model, target, drafter, device, dtype, offline, revision, quantize, threads)

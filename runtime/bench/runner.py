@@ -99,6 +99,7 @@ class BenchConfig:
     tree_budget: int | None = None
     lookups: tuple[int | None, ...] = ()
     lookup: int | None = None
+    confidence_cut: bool | None = None
     max_new_tokens: int = 128
     temperature: float = 0.0
     seed: int = 0
@@ -620,6 +621,7 @@ def run_bench(
                     verify_length=config.verify_length,
                     tree_budget=spec.tree_budget,
                     lookup=spec.lookup,
+                    confidence_cut=config.confidence_cut,
                 )
             )
             return run_decoder(pipe, opts, ids, p, mem)

@@ -147,6 +147,13 @@ def chain_tree(anchor: int, draft: Sequence[int], candidates: Sequence[Sequence[
     )
 
 
+def truncate_tree(tree: DraftTree, drafted: int) -> DraftTree:
+    """The first ``drafted`` nodes after the root of a best-first tree (a tree again: parents
+    precede children)."""
+    n = max(0, min(int(drafted), len(tree) - 1)) + 1
+    return DraftTree(tree.tokens[:n], tree.parents[:n], tree.depths[:n], tree.ranks[:n], tree.candidates)
+
+
 def choice_ranks(tree: DraftTree, path: Sequence[int], choices: Sequence[int]) -> list[int]:
     """Where the target's choice ranked among the drafter's candidates at each visited depth.
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from runtime.engine.tree import tree_from_candidates
+from runtime.engine.tree import DraftTree, tree_from_candidates
 from runtime.engine.verify_length import GENERIC_CONDITIONAL
 
 BUDGETS = (4, 8, 16, 32, 64)
@@ -127,8 +127,9 @@ class TreeBudgetPolicy(Protocol):
         """Drafts of the next step when ``budget()`` is 0."""
         ...
 
-    def observe(self, ranks: Sequence[int]) -> None:
-        """Record where the target's choice ranked at each visited depth (-1: not a candidate)."""
+    def observe(self, ranks: Sequence[int], tokens: int | None = None, nodes: int | None = None) -> None:
+        """Record where the target's choice ranked at each visited depth (-1: not a candidate), and
+        optionally the step's committed tokens and verified nodes (anchor included)."""
         ...
 
 
@@ -146,6 +147,8 @@ class AdaptiveTreeBudget:
         prior_weight: pseudo-counts given to the prior.
         every: re-plan after this many steps.
         budgets: tree budgets to consider.
+        confidence: cut each chain step where the drafter's own confidence says further drafts are
+            not worth their verify cost (``chain_length_for``); False verifies the planned K.
     """
 
     def __init__(
@@ -158,6 +161,7 @@ class AdaptiveTreeBudget:
         every: int = 8,
         budgets: Sequence[int] = BUDGETS,
         prior_table: Sequence[Sequence[float]] | None = None,
+        confidence: bool = True,
     ) -> None:
         self.max_depth = max_depth
         self.cost = list(cost)
@@ -172,6 +176,38 @@ class AdaptiveTreeBudget:
         self.every = every
         self._steps = 0
         self.plan = best_plan(self.coverage(), self.cost, draft_cost, max_depth, self.budgets)
+        self.confidence = ConfidenceCut(self.cost, self._plan_rate()) if confidence else None
+
+    def _plan_rate(self) -> float:
+        """Expected tokens per unit of relative cost of the current plan (the model's throughput)."""
+        b, k = self.plan
+        cov = self.coverage()
+        if b > 0:
+            return expected_tokens(cov, b) / (self.cost[min(b, len(self.cost) - 1)] + self.draft_cost)
+        if k == 0:
+            return 1.0 / self.cost[0]
+        return expected_tokens(cov, k, chain=True) / (self.cost[min(k, len(self.cost) - 1)] + self.draft_cost)
+
+    def chain_length_for(self, top_logprobs: Sequence[float]) -> int:
+        """Drafts to verify in this chain step, given the drafter's top-1 log-probability per slot
+        (the planned K when the confidence cut is off)."""
+        if self.confidence is None:
+            return min(self.plan[1], len(top_logprobs))
+        return self.confidence.length(top_logprobs)
+
+    def tree_cap(self) -> int:
+        """Most drafted nodes a tree step may hold: the plan's budget, or with the confidence cut
+        up to twice that (within the measured costs), for the cut to keep what is worth it."""
+        b = self.plan[0]
+        if self.confidence is None or b == 0:
+            return b
+        return max(b, min(2 * b, len(self.cost) - 1))
+
+    def tree_size_for(self, vals: Sequence[Sequence[float]], tree: DraftTree) -> int:
+        """Drafted nodes to keep of the best-first ``tree`` (all of them when the cut is off)."""
+        if self.confidence is None:
+            return len(tree) - 1
+        return self.confidence.tree_size(vals, tree)
 
     def coverage(self) -> list[list[float]]:
         """Current estimate of ``c[d][r]``."""
@@ -185,12 +221,16 @@ class AdaptiveTreeBudget:
         """Drafts of the next step when it is a chain."""
         return self.plan[1]
 
-    def observe(self, ranks: Sequence[int]) -> None:
-        """Record where the target's choice ranked at each visited depth (-1: not a candidate)."""
+    def observe(self, ranks: Sequence[int], tokens: int | None = None, nodes: int | None = None) -> None:
+        """Record where the target's choice ranked at each visited depth (-1: not a candidate);
+        ``tokens`` / ``nodes``: the step's committed tokens and verified nodes (anchor included),
+        which keep the confidence cut's throughput estimate current."""
         for d, r in enumerate(ranks[: self.max_depth]):
             self.tried[d] += 1
             if 0 <= r < RANKS:
                 self.hits[d][r] += 1
+        if self.confidence is not None:
+            self.confidence.observe(ranks, tokens, nodes, self.draft_cost if nodes and nodes > 1 else 0.0)
         self._steps += 1
         if self._steps % self.every == 0:
             self.plan = best_plan(self.coverage(), self.cost, self.draft_cost, self.max_depth, self.budgets)
@@ -210,5 +250,135 @@ class FixedTreeBudget:
         """Unused (B > 0)."""
         return 0
 
-    def observe(self, ranks: Sequence[int]) -> None:
+    def observe(self, ranks: Sequence[int], tokens: int | None = None, nodes: int | None = None) -> None:
         """Nothing to learn."""
+
+
+# The confidence cut's calibration: the drafter's top-1 probability in CAL_BINS equal bins, each with
+# CAL_PRIOR pseudo-observations at the bin's centre (a calibrated drafter needs no correction).
+CAL_BINS = 10
+CAL_PRIOR = 4.0
+# pseudo-steps given to the plan's modelled throughput before measured steps take over
+RATE_PRIOR = 8.0
+
+
+class ConfidenceCut:
+    """Per-step chain length (or tree size) from the drafter's confidence in each slot.
+
+    The drafter scores every slot of the block in one forward before anything is verified, so each
+    step knows how sure it is of each draft. Slot k's draft is accepted (given the path to it was)
+    with probability ``q(p_k)``, p_k its top-1 probability, calibrated online per probability bin
+    from the target's choices. The step verifies the K maximising
+
+        1 + sum_{j<=K} prod_{i<=j} q(p_i)  -  lambda * cost[K]
+
+    where lambda is the decoder's throughput (tokens per unit of relative cost, from the plan's model
+    at first, then from the steps taken): a draft is worth its verify cost when the tokens it is
+    expected to add beat what that time would produce on average. Confident stretches (boilerplate,
+    a name being repeated) get long chains, uncertain ones short: more tokens per step for the same
+    cost where a fixed K over- or under-verifies. The drafter forward is already paid, so it does
+    not enter the choice.
+
+    Args:
+        cost: relative verify cost of n = 1.. tokens.
+        rate: the initial throughput (tokens per unit of relative cost).
+    """
+
+    def __init__(self, cost: Sequence[float], rate: float) -> None:
+        top, self.cost = 0.0, []
+        for c in cost:  # a longer verify never costs less
+            top = max(top, float(c))
+            self.cost.append(top)
+        self.ok = [CAL_PRIOR * (b + 0.5) / CAL_BINS for b in range(CAL_BINS)]
+        self.tried = [CAL_PRIOR] * CAL_BINS
+        self.tokens = RATE_PRIOR * rate
+        self.spent = RATE_PRIOR
+        self.other_ok = [CAL_PRIOR * (b + 0.5) / CAL_BINS for b in range(CAL_BINS)]
+        self.other_tried = [CAL_PRIOR] * CAL_BINS
+        self._last: list[int] = []  # the top-1 bins of the last chain step's slots
+        self._rows: list[list[float]] = []  # the candidates' log-probabilities of the last tree step
+
+    @staticmethod
+    def _bin(logprob: float) -> int:
+        import math
+
+        p = math.exp(min(float(logprob), 0.0))
+        return min(int(p * CAL_BINS), CAL_BINS - 1)
+
+    def accept_prob(self, logprob: float) -> float:
+        """Calibrated P(the draft is accepted | the path to it was) for a top-1 log-probability."""
+        b = self._bin(logprob)
+        return self.ok[b] / self.tried[b]
+
+    @property
+    def rate(self) -> float:
+        """Current throughput estimate (tokens per unit of relative cost)."""
+        return self.tokens / self.spent
+
+    def tree_size(self, vals: Sequence[Sequence[float]], tree: DraftTree) -> int:
+        """Drafted nodes to keep of a best-first tree (its first n nodes, n in 0..len(tree) - 1).
+
+        A node is on the target's path with probability prod q over its path: ``q`` of the top-1
+        calibration for argmax nodes, of the runner-up calibration for the others.
+
+        Args:
+            vals: [D][w] the drafter's log-probabilities of each slot's candidates, best first.
+            tree: the best-first tree built from them (parents precede children).
+        """
+        self._rows = [list(row[:RANKS]) for row in vals]
+        self._last = []
+        lam = self.rate
+        probs = [1.0]
+        best_n, best, e = 0, 1.0 - lam * self.cost[0], 1.0
+        for i in range(1, len(tree)):
+            if i >= len(self.cost):
+                break
+            d, r = tree.depths[i], tree.ranks[i]
+            q = self.accept_prob(vals[d - 1][r]) if r == 0 else self.other_prob(vals[d - 1][r])
+            probs.append(probs[tree.parents[i]] * q)
+            e += probs[i]
+            gain = e - lam * self.cost[i]
+            if gain > best + 1e-12:
+                best_n, best = i, gain
+        return best_n
+
+    def other_prob(self, logprob: float) -> float:
+        """Calibrated P(the target picks a runner-up candidate | its path was accepted)."""
+        b = self._bin(logprob)
+        return self.other_ok[b] / self.other_tried[b]
+
+    def length(self, top_logprobs: Sequence[float]) -> int:
+        """Drafts to verify this step (0..len(top_logprobs))."""
+        self._last = [self._bin(v) for v in top_logprobs]
+        self._rows = []
+        lam, best_k, best, e, p = self.rate, 0, 1.0 - self.rate * self.cost[0], 1.0, 1.0
+        for k, v in enumerate(top_logprobs, start=1):
+            if k >= len(self.cost):
+                break
+            p *= self.accept_prob(v)
+            e += p
+            gain = e - lam * self.cost[k]
+            if gain > best + 1e-12:
+                best_k, best = k, gain
+        return best_k
+
+    def observe(self, ranks: Sequence[int], tokens: int | None, nodes: int | None, draft_cost: float) -> None:
+        """Calibrate from the target's choice at each visited depth (rank 0: the top-1 draft was
+        right) and count the step's tokens and modelled cost."""
+        for d, r in enumerate(ranks[: len(self._last)]):
+            b = self._last[d]
+            self.tried[b] += 1
+            self.ok[b] += 1 if r == 0 else 0
+        for d, r in enumerate(ranks[: len(self._rows)]):
+            for j, v in enumerate(self._rows[d]):
+                b = self._bin(v)
+                if j == 0:
+                    self.tried[b] += 1
+                    self.ok[b] += 1 if r == 0 else 0
+                else:
+                    self.other_tried[b] += 1
+                    self.other_ok[b] += 1 if r == j else 0
+        self._last, self._rows = [], []
+        if tokens is not None and nodes is not None and nodes >= 1:
+            self.tokens += tokens
+            self.spent += self.cost[min(nodes - 1, len(self.cost) - 1)] + draft_cost

@@ -41,6 +41,7 @@ from runtime.engine.tree import (
     choice_ranks,
     slot_candidates,
     tree_from_candidates,
+    truncate_tree,
     walk,
 )
 from runtime.engine.tree_budget import RANKS, FixedTreeBudget, TreeBudgetPolicy
@@ -184,7 +185,8 @@ class TreeDecoder(DFlashDecoder):
 
             budget = self.policy.budget()
             planned = self.block_size - 1  # slots a tree may reach (the stats' verify length)
-            if budget == 0:  # the policy chose a chain of K argmax drafts for this step
+            cut = getattr(self.policy, "chain_length_for", None) if budget == 0 else None
+            if budget == 0 and cut is None:  # the policy chose a chain of K argmax drafts for this step
                 planned = min(planned, self.policy.chain_length())
                 depth = min(depth, planned)
 
@@ -192,9 +194,17 @@ class TreeDecoder(DFlashDecoder):
             tree = DraftTree((anchor,), (-1,), (0,), (-1,))
             if depth > 0:
                 logprobs, vocab_ids, extra_ids = self.draft_logprobs(anchor, start, depth, pending, d_cache, committed)
-                vals, toks = slot_candidates(logprobs, max(budget, RANKS), vocab_ids, extra_ids)  # [depth][w]
-                if budget > 0:
+                cap = self.policy.tree_cap() if hasattr(self.policy, "tree_cap") else budget
+                vals, toks = slot_candidates(logprobs, max(budget, cap, RANKS), vocab_ids, extra_ids)  # [depth][w]
+                size = getattr(self.policy, "tree_size_for", None) if budget > 0 else None
+                if size is not None:  # the best-first tree up to the cap, cut where confidence ends
+                    tree = tree_from_candidates(vals, toks, anchor, self.policy.tree_cap())  # type: ignore[attr-defined]
+                    tree = truncate_tree(tree, size(vals, tree))
+                elif budget > 0:
                     tree = tree_from_candidates(vals, toks, anchor, budget)
+                elif cut is not None:  # a chain as long as the drafter's confidence makes it worth
+                    planned = cut([row[0] for row in vals])
+                    tree = chain_tree(anchor, [row[0] for row in toks[:planned]], toks)
                 else:
                     tree = chain_tree(anchor, [row[0] for row in toks], toks)
                 pending = pending[:, :0] if pending is not None else None
@@ -233,7 +243,7 @@ class TreeDecoder(DFlashDecoder):
             committed.extend(new_ids)
             if lookup is not None:
                 lookup.observe(path, new_ids)
-            self.policy.observe(choice_ranks(tree, path, choices))
+            self.policy.observe(choice_ranks(tree, path, choices), tokens=a + 1, nodes=n)
             rec.tree_budget = budget
             rec.step(drafted=n - 1, accepted=a, committed=len(events), planned=planned, depth=tree.max_depth)
             draft = tree.tokens[1:]

@@ -1,0 +1,130 @@
+"""The confidence cut: chain steps verify as many drafts as the drafter's own confidence makes worth
+their cost, the calibration learns from the target's choices, and output stays exact."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from typer.testing import CliRunner
+
+from dflash_cli.app import app
+from runtime import DecodeOptions, LoadOptions, ModelRef, RuntimeConfig, load_pipeline
+from runtime.config import SamplingParams
+from runtime.engine.calibrate import VerifyCosts
+from runtime.engine.events import BlockVerified
+from runtime.engine.target import TargetModel
+from runtime.engine.tree import tree_from_candidates, truncate_tree
+from runtime.engine.tree_budget import AdaptiveTreeBudget, ConfidenceCut
+from runtime.engine.tree_decoder import TreeDecoder
+from tests.fakes import collect_ids, greedy_reference, make_drafter, make_target
+
+# a CPU float32 verify: each extra token costs 6-20% of a one-token forward
+F32 = [1.0, 1.19, 1.25, 1.33, 1.45, 1.52, 1.59, 1.68, 1.78]
+
+
+def test_sure_drafts_get_long_chains_and_unsure_ones_short():
+    cut = ConfidenceCut(F32, rate=1.5)
+    sure = cut.length([math.log(0.97)] * 7)
+    unsure = cut.length([math.log(0.15)] * 7)
+    mixed = cut.length([math.log(0.97), math.log(0.97), math.log(0.05)] + [math.log(0.97)] * 4)
+    assert sure == 7 and unsure == 0
+    assert 2 <= mixed < 7  # a doubtful slot ends the chain: nothing behind it is likely to be reached
+
+
+def test_a_higher_throughput_asks_more_of_each_draft():
+    slow, fast = ConfidenceCut(F32, rate=1.0), ConfidenceCut(F32, rate=3.0)
+    slots = [math.log(p) for p in (0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2)]
+    assert slow.length(slots) > fast.length(slots)
+
+
+def test_calibration_learns_an_overconfident_drafter():
+    cut = ConfidenceCut(F32, rate=1.5)
+    slots = [math.log(0.95)] * 7
+    assert cut.length(slots) == 7
+    for _ in range(60):  # the drafter is sure, the target disagrees at the first slot every time
+        cut.length(slots)
+        cut.observe([1], tokens=1, nodes=8, draft_cost=0.1)
+    assert cut.accept_prob(math.log(0.95)) < 0.2
+    assert cut.length(slots) == 0
+    assert cut.rate < 1.0  # one token per 8-token verify: the measured throughput fell
+
+
+def test_policy_uses_the_cut_only_when_asked():
+    on = AdaptiveTreeBudget(7, F32, prior=[0.6], confidence=True)
+    off = AdaptiveTreeBudget(7, F32, prior=[0.6], confidence=False)
+    assert on.budget() == 0 and off.budget() == 0  # costs known only within the block: chains
+    sure = [math.log(0.99)] * 7
+    assert off.chain_length_for(sure) == off.chain_length()
+    assert on.chain_length_for(sure) == 7
+
+
+def test_decoding_with_the_cut_is_exact_and_varies_the_length():
+    model = make_target("qwen3", vocab_size=96, seed=3)
+    target = TargetModel(model)
+    drafter = make_drafter(model.config, block_size=6)
+    for prompt in ([1, 2, 3], [40, 41], [7] * 9):
+        pol = AdaptiveTreeBudget(5, F32[:6], draft_cost=0.1, prior=[0.5])
+        events = list(TreeDecoder(target, drafter, tree_budget=pol).stream(prompt, SamplingParams(max_new_tokens=40)))
+        assert collect_ids(events) == greedy_reference(model, prompt, 40)
+        lengths = {len(e.draft) - e.copied for e in events if isinstance(e, BlockVerified)}
+        assert lengths <= set(range(6))
+
+
+def test_option_and_environment_turn_it_off(tiny_pair, monkeypatch):
+    t, d = tiny_pair
+    pipe = load_pipeline(
+        ModelRef(target=str(t), drafter=str(d)), RuntimeConfig(device="cpu", dtype="float32"), LoadOptions()
+    )
+    pipe.costs = VerifyCosts(tuple(F32 + [2.0] * 60), 0.1, 0.001)  # measured costs up to tree sizes
+    b = pipe.block_size
+
+    def has_cut(opts: DecodeOptions) -> bool:
+        pol = pipe.tree_policy(opts, b)
+        assert isinstance(pol, AdaptiveTreeBudget)
+        return pol.confidence is not None
+
+    monkeypatch.delenv("DFLASH_CONFIDENCE_CUT", raising=False)
+    assert has_cut(DecodeOptions()) and not has_cut(DecodeOptions(confidence_cut=False))
+    monkeypatch.setenv("DFLASH_CONFIDENCE_CUT", "0")
+    assert not has_cut(DecodeOptions()) and has_cut(DecodeOptions(confidence_cut=True))
+
+
+def test_tree_steps_keep_the_best_first_prefix_worth_its_cost():
+    # bf16-like costs: flat to 6 tokens, then each token costs
+    cost = [1.0, 1.0, 1.0, 1.0, 1.03, 1.03, 1.21, 1.27, 1.32, 1.36, 1.41, 1.46, 1.52, 1.59, 1.66, 1.72, 1.79]
+    cut = ConfidenceCut(cost, rate=2.0)
+    sure = [[math.log(0.97), math.log(0.01)]] * 7
+    tree = tree_from_candidates(sure, [[10 + d, 50 + d] for d in range(7)], anchor=1, budget=16)
+    n = cut.tree_size(sure, tree)
+    kept = truncate_tree(tree, n)
+    assert n >= 7 and kept.max_depth == 7  # a sure chain is worth its whole depth
+    assert all(p < i for i, p in enumerate(kept.parents))
+    unsure = [[math.log(0.2), math.log(0.15)]] * 7
+    tree = tree_from_candidates(unsure, [[10 + d, 50 + d] for d in range(7)], anchor=1, budget=16)
+    assert cut.tree_size(unsure, tree) <= 5  # only what the flat part of the cost curve pays for
+    # the runner-up calibration learns: the target keeps picking the second candidate
+    before = cut.other_prob(math.log(0.15))
+    for _ in range(40):
+        cut.tree_size(unsure, tree)
+        cut.observe([1, 1], tokens=3, nodes=6, draft_cost=0.1)
+    assert cut.other_prob(math.log(0.15)) > before + 0.3
+
+
+def test_cli_confidence_cut_flags(tiny_pair, tmp_path):
+    runner = CliRunner()
+    t, d = tiny_pair
+    base = ["--target", str(t), "--drafter", str(d), "--dtype", "float32", "--device", "cpu", "-n", "16"]
+    on = runner.invoke(app, ["run", *base, "--raw", "def fib(n):", "--confidence-cut"])
+    off = runner.invoke(app, ["run", *base, "--raw", "def fib(n):", "--no-confidence-cut"])
+    assert on.exit_code == 0 and off.exit_code == 0, on.output + off.output
+    assert on.stdout == off.stdout  # the cut changes how many drafts are verified, never the text
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("def add(a, b):\n")
+    r = runner.invoke(
+        app, ["bench", *base, "--prompts", str(prompts), "--methods", "dflash", "--warmup", "0", "--no-confidence-cut"]
+    )
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout.splitlines()[-1])
+    assert doc["config"]["confidence_cut"] is False
+    assert doc["methods"][-1]["agreement"]["identical"] == 1
