@@ -27,7 +27,7 @@ from runtime.engine.events import DecodeEvent
 from runtime.engine.lean_target import LeanTarget, lean_supported
 from runtime.engine.linear import activations_in, all_linears_packed, int8_linears, pack_linears
 from runtime.engine.target import TargetModel
-from runtime.engine.tree_budget import DEFAULT_TREE_COST, AdaptiveTreeBudget
+from runtime.engine.tree_budget import DEFAULT_TREE_COST, AdaptiveTreeBudget, Calibration
 from runtime.engine.tree_decoder import TreeDecoder, tree_attention_support
 from runtime.engine.verify_length import DEFAULT_COST, AdaptiveVerifyLength, FixedVerifyLength, VerifyLengthPolicy
 from runtime.errors import ConfigError, InputError, ModelLoadError, UnsupportedModelError
@@ -262,6 +262,8 @@ class Pipeline:
         self.load_seconds = load_seconds
         self.costs: VerifyCosts | None = None  # measured verify/draft costs (runtime.engine.calibrate)
         self.quantization: str | None = None  # weight-only scheme of the target (runtime.quantize.schemes)
+        # the confidence cut's calibration of this pair's drafter, shared by every request
+        self.cut_calibration = Calibration()
 
     # -- prompts -----------------------------------------------------------------------------
     @property
@@ -373,7 +375,13 @@ class Pipeline:
         if cut is None:
             cut = os.environ.get("DFLASH_CONFIDENCE_CUT", "1").strip().lower() not in ("0", "false", "no", "off")
         return AdaptiveTreeBudget(
-            block_size - 1, cost, draft_cost=draft_cost, prior=prior, prior_table=table, confidence=cut
+            block_size - 1,
+            cost,
+            draft_cost=draft_cost,
+            prior=prior,
+            prior_table=table,
+            confidence=cut,
+            calibration=self.cut_calibration,
         )
 
     def make_decoder(self, opts: DecodeOptions | None = None) -> Decoder:

@@ -86,6 +86,10 @@ def test_option_and_environment_turn_it_off(tiny_pair, monkeypatch):
 
     monkeypatch.delenv("DFLASH_CONFIDENCE_CUT", raising=False)
     assert has_cut(DecodeOptions()) and not has_cut(DecodeOptions(confidence_cut=False))
+    first, second = pipe.tree_policy(DecodeOptions(), b), pipe.tree_policy(DecodeOptions(), b)
+    assert isinstance(first, AdaptiveTreeBudget) and isinstance(second, AdaptiveTreeBudget)
+    assert first.confidence and second.confidence  # later requests start from what earlier ones learned
+    assert first.confidence.calibration is second.confidence.calibration is pipe.cut_calibration
     monkeypatch.setenv("DFLASH_CONFIDENCE_CUT", "0")
     assert not has_cut(DecodeOptions()) and has_cut(DecodeOptions(confidence_cut=True))
 

@@ -15,6 +15,7 @@ ranks the target's choices actually had while decoding.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -149,6 +150,7 @@ class AdaptiveTreeBudget:
         budgets: tree budgets to consider.
         confidence: cut each chain step where the drafter's own confidence says further drafts are
             not worth their verify cost (``chain_length_for``); False verifies the planned K.
+        calibration: the cut's calibration, shared across requests (a new one if None).
     """
 
     def __init__(
@@ -162,6 +164,7 @@ class AdaptiveTreeBudget:
         budgets: Sequence[int] = BUDGETS,
         prior_table: Sequence[Sequence[float]] | None = None,
         confidence: bool = True,
+        calibration: Calibration | None = None,
     ) -> None:
         self.max_depth = max_depth
         self.cost = list(cost)
@@ -176,7 +179,7 @@ class AdaptiveTreeBudget:
         self.every = every
         self._steps = 0
         self.plan = best_plan(self.coverage(), self.cost, draft_cost, max_depth, self.budgets)
-        self.confidence = ConfidenceCut(self.cost, self._plan_rate()) if confidence else None
+        self.confidence = ConfidenceCut(self.cost, self._plan_rate(), calibration) if confidence else None
 
     def _plan_rate(self) -> float:
         """Expected tokens per unit of relative cost of the current plan (the model's throughput)."""
@@ -254,12 +257,51 @@ class FixedTreeBudget:
         """Nothing to learn."""
 
 
-# The confidence cut's calibration: the drafter's top-1 probability in CAL_BINS equal bins, each with
-# CAL_PRIOR pseudo-observations at the bin's centre (a calibrated drafter needs no correction).
+# The confidence cut's calibration: the drafter's probability of a candidate in CAL_BINS equal bins,
+# each with CAL_PRIOR pseudo-observations at the bin's centre (a calibrated drafter needs no correction).
 CAL_BINS = 10
 CAL_PRIOR = 4.0
 # pseudo-steps given to the plan's modelled throughput before measured steps take over
 RATE_PRIOR = 8.0
+
+
+def _bin(logprob: float) -> int:
+    p = math.exp(min(float(logprob), 0.0))
+    return min(int(p * CAL_BINS), CAL_BINS - 1)
+
+
+class Calibration:
+    """How often the target picks a drafted candidate, by the drafter's probability for it.
+
+    Two tables of CAL_BINS bins: argmax candidates (P(accepted | path accepted)) and runner-ups
+    (P(the target picks this one | path accepted)). One object may serve many requests (a pipeline
+    keeps one per loaded pair), so a session's later requests start calibrated.
+    """
+
+    def __init__(self) -> None:
+        prior = [CAL_PRIOR * (b + 0.5) / CAL_BINS for b in range(CAL_BINS)]
+        self.top_ok, self.top_tried = list(prior), [CAL_PRIOR] * CAL_BINS
+        self.other_ok, self.other_tried = list(prior), [CAL_PRIOR] * CAL_BINS
+
+    def top(self, logprob: float) -> float:
+        """Calibrated P(an argmax draft is accepted | the path to it was)."""
+        b = _bin(logprob)
+        return self.top_ok[b] / self.top_tried[b]
+
+    def other(self, logprob: float) -> float:
+        """Calibrated P(the target picks a runner-up candidate | its path was accepted)."""
+        b = _bin(logprob)
+        return self.other_ok[b] / self.other_tried[b]
+
+    def record(self, logprob: float, runner_up: bool, hit: bool) -> None:
+        """One observation: a candidate of this log-probability was (not) the target's choice."""
+        b = _bin(logprob)
+        if runner_up:
+            self.other_tried[b] += 1
+            self.other_ok[b] += 1 if hit else 0
+        else:
+            self.top_tried[b] += 1
+            self.top_ok[b] += 1 if hit else 0
 
 
 class ConfidenceCut:
@@ -268,7 +310,7 @@ class ConfidenceCut:
     The drafter scores every slot of the block in one forward before anything is verified, so each
     step knows how sure it is of each draft. Slot k's draft is accepted (given the path to it was)
     with probability ``q(p_k)``, p_k its top-1 probability, calibrated online per probability bin
-    from the target's choices. The step verifies the K maximising
+    from the target's choices (``Calibration``). The step verifies the K maximising
 
         1 + sum_{j<=K} prod_{i<=j} q(p_i)  -  lambda * cost[K]
 
@@ -277,43 +319,51 @@ class ConfidenceCut:
     expected to add beat what that time would produce on average. Confident stretches (boilerplate,
     a name being repeated) get long chains, uncertain ones short: more tokens per step for the same
     cost where a fixed K over- or under-verifies. The drafter forward is already paid, so it does
-    not enter the choice.
+    not enter the choice. Tree steps keep the best-first prefix of a tree built up to
+    ``AdaptiveTreeBudget.tree_cap`` nodes that maximises the same expression.
 
     Args:
         cost: relative verify cost of n = 1.. tokens.
         rate: the initial throughput (tokens per unit of relative cost).
+        calibration: a shared calibration (a new one if None).
     """
 
-    def __init__(self, cost: Sequence[float], rate: float) -> None:
+    def __init__(self, cost: Sequence[float], rate: float, calibration: Calibration | None = None) -> None:
         top, self.cost = 0.0, []
         for c in cost:  # a longer verify never costs less
             top = max(top, float(c))
             self.cost.append(top)
-        self.ok = [CAL_PRIOR * (b + 0.5) / CAL_BINS for b in range(CAL_BINS)]
-        self.tried = [CAL_PRIOR] * CAL_BINS
+        self.calibration = calibration if calibration is not None else Calibration()
         self.tokens = RATE_PRIOR * rate
         self.spent = RATE_PRIOR
-        self.other_ok = [CAL_PRIOR * (b + 0.5) / CAL_BINS for b in range(CAL_BINS)]
-        self.other_tried = [CAL_PRIOR] * CAL_BINS
-        self._last: list[int] = []  # the top-1 bins of the last chain step's slots
-        self._rows: list[list[float]] = []  # the candidates' log-probabilities of the last tree step
-
-    @staticmethod
-    def _bin(logprob: float) -> int:
-        import math
-
-        p = math.exp(min(float(logprob), 0.0))
-        return min(int(p * CAL_BINS), CAL_BINS - 1)
+        self._rows: list[list[float]] = []  # the candidates' log-probabilities of the last step's slots
 
     def accept_prob(self, logprob: float) -> float:
         """Calibrated P(the draft is accepted | the path to it was) for a top-1 log-probability."""
-        b = self._bin(logprob)
-        return self.ok[b] / self.tried[b]
+        return self.calibration.top(logprob)
+
+    def other_prob(self, logprob: float) -> float:
+        """Calibrated P(the target picks a runner-up candidate | its path was accepted)."""
+        return self.calibration.other(logprob)
 
     @property
     def rate(self) -> float:
         """Current throughput estimate (tokens per unit of relative cost)."""
         return self.tokens / self.spent
+
+    def length(self, top_logprobs: Sequence[float]) -> int:
+        """Drafts to verify this step (0..len(top_logprobs))."""
+        self._rows = [[float(v)] for v in top_logprobs]
+        lam, best_k, best, e, p = self.rate, 0, 1.0 - self.rate * self.cost[0], 1.0, 1.0
+        for k, v in enumerate(top_logprobs, start=1):
+            if k >= len(self.cost):
+                break
+            p *= self.accept_prob(v)
+            e += p
+            gain = e - lam * self.cost[k]
+            if gain > best + 1e-12:
+                best_k, best = k, gain
+        return best_k
 
     def tree_size(self, vals: Sequence[Sequence[float]], tree: DraftTree) -> int:
         """Drafted nodes to keep of a best-first tree (its first n nodes, n in 0..len(tree) - 1).
@@ -325,8 +375,7 @@ class ConfidenceCut:
             vals: [D][w] the drafter's log-probabilities of each slot's candidates, best first.
             tree: the best-first tree built from them (parents precede children).
         """
-        self._rows = [list(row[:RANKS]) for row in vals]
-        self._last = []
+        self._rows = [[float(v) for v in row[:RANKS]] for row in vals]
         lam = self.rate
         probs = [1.0]
         best_n, best, e = 0, 1.0 - lam * self.cost[0], 1.0
@@ -342,43 +391,13 @@ class ConfidenceCut:
                 best_n, best = i, gain
         return best_n
 
-    def other_prob(self, logprob: float) -> float:
-        """Calibrated P(the target picks a runner-up candidate | its path was accepted)."""
-        b = self._bin(logprob)
-        return self.other_ok[b] / self.other_tried[b]
-
-    def length(self, top_logprobs: Sequence[float]) -> int:
-        """Drafts to verify this step (0..len(top_logprobs))."""
-        self._last = [self._bin(v) for v in top_logprobs]
-        self._rows = []
-        lam, best_k, best, e, p = self.rate, 0, 1.0 - self.rate * self.cost[0], 1.0, 1.0
-        for k, v in enumerate(top_logprobs, start=1):
-            if k >= len(self.cost):
-                break
-            p *= self.accept_prob(v)
-            e += p
-            gain = e - lam * self.cost[k]
-            if gain > best + 1e-12:
-                best_k, best = k, gain
-        return best_k
-
     def observe(self, ranks: Sequence[int], tokens: int | None, nodes: int | None, draft_cost: float) -> None:
-        """Calibrate from the target's choice at each visited depth (rank 0: the top-1 draft was
-        right) and count the step's tokens and modelled cost."""
-        for d, r in enumerate(ranks[: len(self._last)]):
-            b = self._last[d]
-            self.tried[b] += 1
-            self.ok[b] += 1 if r == 0 else 0
+        """Calibrate from the target's choice at each visited depth (its rank among the candidates,
+        -1: none of them) and count the step's tokens and modelled cost."""
         for d, r in enumerate(ranks[: len(self._rows)]):
             for j, v in enumerate(self._rows[d]):
-                b = self._bin(v)
-                if j == 0:
-                    self.tried[b] += 1
-                    self.ok[b] += 1 if r == 0 else 0
-                else:
-                    self.other_tried[b] += 1
-                    self.other_ok[b] += 1 if r == j else 0
-        self._last, self._rows = [], []
+                self.calibration.record(v, runner_up=j > 0, hit=r == j)
+        self._rows = []
         if tokens is not None and nodes is not None and nodes >= 1:
             self.tokens += tokens
             self.spent += self.cost[min(nodes - 1, len(self.cost) - 1)] + draft_cost
