@@ -245,10 +245,16 @@ def test_cli_train_end_to_end(tiny, tmp_path, monkeypatch):
     assert run.exit_code == 0, run.output
     # --resume --extend keeps the run's hyper-parameters (lr 3e-4, anchors 8, eval every 30), not the
     # flags' defaults; only what is typed now changes (--seqs-per-step 1) and the new schedule (--steps 4)
-    more = ["train", "--target", str(target_dir), "--out", str(out), "--data", str(data_dir), "--resume"]
+    # --resume without --data trains on the run's own datasets (a run older than data-sources.json:
+    # read from its training command), never on a fresh OUT/data
+    assert json.loads((out / "data-sources.json").read_text())["data"] == str(data_dir.resolve())
+    (out / "data-sources.json").unlink()
+    more = ["train", "--target", str(target_dir), "--out", str(out), "--resume"]
     more += ["--extend", "--steps", "4", "--seqs-per-step", "1", "--no-eval", "--dtype", "float32"]
     r = CliRunner().invoke(app, more)
     assert r.exit_code == 0, r.output
+    assert f"dataset {data_dir}" in r.stderr and not (out / "data").exists()
+    assert json.loads((out / "data-sources.json").read_text())["data"] == str(data_dir.resolve())
     saved = load_trainer_state(out / "checkpoint")
     cfg = saved["config"]
     assert (cfg["lr"], cfg["anchors"], cfg["eval_every"], cfg["seqs_per_step"], cfg["steps"]) == (3e-4, 8, 30, 1, 4)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shlex
 import sys
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -271,6 +272,16 @@ def train(
             if not r.is_dir():
                 raise typer.BadParameter(f"--text-from {str(r)!r} is not a folder")
         roots = tuple(dict.fromkeys(picked))
+    if resume and not data_only:  # the run's own data sources, unless typed now
+        recorded = _recorded_sources(out)
+        if data is None and not _typed(ctx, "data") and recorded.get("data"):
+            data = Path(recorded["data"])
+        if not _typed(ctx, "extra_data") and recorded.get("extra_data"):
+            extra_data = [Path(f) for f in recorded["extra_data"]]
+        if not _typed(ctx, "corpus_data") and recorded.get("corpus_data"):
+            corpus_data = [Path(f) for f in recorded["corpus_data"]]
+        if data is not None and not (data / "dataset.json").is_file():
+            raise typer.BadParameter(f"--resume: the run's dataset {str(data)!r} is gone (no dataset.json); give --data")
     for flag, folder in [
         *(("--extra-data", f) for f in extra_data or []),
         *(("--corpus-data", f) for f in corpus_data or []),
@@ -339,6 +350,8 @@ def train(
     if resume and (out / "checkpoint" / "config.json").exists():
         raw = json.loads((out / "checkpoint" / "config.json").read_text())
         data_taps = tuple(raw["dflash_config"]["target_layer_ids"])
+    if not data_only:
+        _record_sources(out, data_dir, extra_data or [], corpus_data or [])
     say(f"dataset {data_dir} (taps {list(data_taps)})")
     prepare_data(
         pipe.target,
@@ -541,6 +554,7 @@ class _RunRecord:
 
 COMMANDS_FILE = "commands.txt"
 DATA_REPORT = "data-report.json"
+DATA_SOURCES = "data-sources.json"
 
 
 def _mix_lines(report: dict[str, Any]) -> list[str]:
@@ -641,6 +655,37 @@ def _recorded_out(cmds: list[str]) -> str | None:
 
 def _command_line(argv: list[str]) -> str:
     return "dflash " + " ".join(shlex.quote(a) for a in argv[1:])
+
+
+def _record_sources(out: Path, data: Path, extra: Sequence[Path], corpus: Sequence[Path]) -> None:
+    """Keep the run's dataset folders (absolute) in OUT/data-sources.json, for --resume."""
+    doc = {
+        "data": str(data.resolve()),
+        "extra_data": [str(f.resolve()) for f in extra],
+        "corpus_data": [str(f.resolve()) for f in corpus],
+    }
+    (out / DATA_SOURCES).write_text(json.dumps(doc, indent=2) + "\n")
+
+
+def _recorded_sources(out: Path) -> dict[str, Any]:
+    """The dataset folders a run trained on: OUT/data-sources.json, or for runs older than that
+    file the last training command in OUT/commands.txt (its relative paths taken from here)."""
+    path = out / DATA_SOURCES
+    if path.is_file():
+        return dict(json.loads(path.read_text()))
+    lines = (out / COMMANDS_FILE).read_text().splitlines() if (out / COMMANDS_FILE).is_file() else []
+    for line in reversed(lines):
+        args = shlex.split(line)
+        if "--resume" in args or "--eval-only" in args or "--data-only" in args:
+            continue
+        found: dict[str, Any] = {"extra_data": [], "corpus_data": []}
+        for flag, value in zip(args, args[1:], strict=False):
+            if flag == "--data":
+                found["data"] = value
+            elif flag in ("--extra-data", "--corpus-data"):
+                found[flag[2:].replace("-", "_")].append(value)
+        return found
+    return {}
 
 
 def _record_command(out: Path, argv: list[str]) -> None:
