@@ -23,40 +23,46 @@ from tests.fakes import collect_ids, greedy_reference, make_drafter, make_target
 F32 = [1.0, 1.19, 1.25, 1.33, 1.45, 1.52, 1.59, 1.68, 1.78]
 
 
+def chain_of(slots: list[float]) -> tuple[list[list[float]], object]:
+    """Per-slot candidates where only the argmax has any mass, and their best-first tree."""
+    vals = [[math.log(p), math.log(1e-4)] for p in slots]
+    return vals, tree_from_candidates(vals, [[10 + d, 50 + d] for d in range(len(slots))], anchor=1, budget=len(slots))
+
+
 def test_sure_drafts_get_long_chains_and_unsure_ones_short():
     cut = ConfidenceCut(F32, rate=1.5)
-    sure = cut.length([math.log(0.97)] * 7)
-    unsure = cut.length([math.log(0.15)] * 7)
-    mixed = cut.length([math.log(0.97), math.log(0.97), math.log(0.05)] + [math.log(0.97)] * 4)
-    assert sure == 7 and unsure == 0
+    assert cut.tree_size(*chain_of([0.97] * 7)) == 7
+    assert cut.tree_size(*chain_of([0.15] * 7)) == 0
+    mixed = cut.tree_size(*chain_of([0.97, 0.97, 0.05] + [0.97] * 4))
     assert 2 <= mixed < 7  # a doubtful slot ends the chain: nothing behind it is likely to be reached
 
 
 def test_a_higher_throughput_asks_more_of_each_draft():
     slow, fast = ConfidenceCut(F32, rate=1.0), ConfidenceCut(F32, rate=3.0)
-    slots = [math.log(p) for p in (0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2)]
-    assert slow.length(slots) > fast.length(slots)
+    slots = [0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2]
+    assert slow.tree_size(*chain_of(slots)) > fast.tree_size(*chain_of(slots))
 
 
 def test_calibration_learns_an_overconfident_drafter():
     cut = ConfidenceCut(F32, rate=1.5)
-    slots = [math.log(0.95)] * 7
-    assert cut.length(slots) == 7
+    sure = chain_of([0.95] * 7)
+    assert cut.tree_size(*sure) == 7
     for _ in range(60):  # the drafter is sure, the target disagrees at the first slot every time
-        cut.length(slots)
-        cut.observe([1], tokens=1, nodes=8, draft_cost=0.1)
+        cut.tree_size(*sure)
+        cut.observe([-1], tokens=1, nodes=8, draft_cost=0.1)
     assert cut.accept_prob(math.log(0.95)) < 0.2
-    assert cut.length(slots) == 0
+    assert cut.tree_size(*sure) == 0
     assert cut.rate < 1.0  # one token per 8-token verify: the measured throughput fell
 
 
-def test_policy_uses_the_cut_only_when_asked():
+def test_policy_sizes_steps_only_when_asked():
     on = AdaptiveTreeBudget(7, F32, prior=[0.6], confidence=True)
     off = AdaptiveTreeBudget(7, F32, prior=[0.6], confidence=False)
-    assert on.budget() == 0 and off.budget() == 0  # costs known only within the block: chains
-    sure = [math.log(0.99)] * 7
-    assert off.chain_length_for(sure) == off.chain_length()
-    assert on.chain_length_for(sure) == 7
+    assert on.budget() == 0 and off.budget() == 0  # costs known only within the block: chains planned
+    assert off.tree_cap() == 0 and off.confidence is None  # without the cut: the planned chain
+    assert on.tree_cap() == 7  # with it: a tree as big as the block is deep, cut per step
+    vals, tree = chain_of([0.99] * 7)
+    assert on.tree_size_for(vals, tree) == 7 and off.tree_size_for(vals, tree) == 7
 
 
 def test_decoding_with_the_cut_is_exact_and_varies_the_length():
@@ -67,8 +73,8 @@ def test_decoding_with_the_cut_is_exact_and_varies_the_length():
         pol = AdaptiveTreeBudget(5, F32[:6], draft_cost=0.1, prior=[0.5])
         events = list(TreeDecoder(target, drafter, tree_budget=pol).stream(prompt, SamplingParams(max_new_tokens=40)))
         assert collect_ids(events) == greedy_reference(model, prompt, 40)
-        lengths = {len(e.draft) - e.copied for e in events if isinstance(e, BlockVerified)}
-        assert lengths <= set(range(6))
+        sizes = {len(e.draft) - e.copied for e in events if isinstance(e, BlockVerified)}
+        assert sizes <= set(range(6))
 
 
 def test_option_and_environment_turn_it_off(tiny_pair, monkeypatch):

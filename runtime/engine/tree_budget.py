@@ -148,8 +148,9 @@ class AdaptiveTreeBudget:
         prior_weight: pseudo-counts given to the prior.
         every: re-plan after this many steps.
         budgets: tree budgets to consider.
-        confidence: cut each chain step where the drafter's own confidence says further drafts are
-            not worth their verify cost (``chain_length_for``); False verifies the planned K.
+        confidence: size every step from the drafter's own confidence (``ConfidenceCut``): a
+            best-first tree up to ``tree_cap`` nodes, cut where further nodes are not worth their
+            verify cost; False verifies the plan (a chain of K, or a tree of B) every step.
         calibration: the cut's calibration, shared across requests (a new one if None).
     """
 
@@ -191,19 +192,15 @@ class AdaptiveTreeBudget:
             return 1.0 / self.cost[0]
         return expected_tokens(cov, k, chain=True) / (self.cost[min(k, len(self.cost) - 1)] + self.draft_cost)
 
-    def chain_length_for(self, top_logprobs: Sequence[float]) -> int:
-        """Drafts to verify in this chain step, given the drafter's top-1 log-probability per slot
-        (the planned K when the confidence cut is off)."""
-        if self.confidence is None:
-            return min(self.plan[1], len(top_logprobs))
-        return self.confidence.length(top_logprobs)
-
     def tree_cap(self) -> int:
-        """Most drafted nodes a tree step may hold: the plan's budget, or with the confidence cut
-        up to twice that (within the measured costs), for the cut to keep what is worth it."""
+        """Most drafted nodes a step's tree may hold before the confidence cut keeps what is worth it:
+        for a planned tree of B, up to 2B (within the measured costs); for a planned chain, a tree as
+        big as the block is deep. Without the cut: the plan's budget (0: a chain)."""
         b = self.plan[0]
-        if self.confidence is None or b == 0:
+        if self.confidence is None:
             return b
+        if b == 0:
+            return min(self.max_depth, len(self.cost) - 1)
         return max(b, min(2 * b, len(self.cost) - 1))
 
     def tree_size_for(self, vals: Sequence[Sequence[float]], tree: DraftTree) -> int:
@@ -305,22 +302,22 @@ class Calibration:
 
 
 class ConfidenceCut:
-    """Per-step chain length (or tree size) from the drafter's confidence in each slot.
+    """Per-step tree size from the drafter's confidence in each candidate.
 
     The drafter scores every slot of the block in one forward before anything is verified, so each
-    step knows how sure it is of each draft. Slot k's draft is accepted (given the path to it was)
-    with probability ``q(p_k)``, p_k its top-1 probability, calibrated online per probability bin
-    from the target's choices (``Calibration``). The step verifies the K maximising
+    step knows how sure it is of each draft. A node of the best-first draft tree is on the target's
+    path with probability ``prod q(p)`` over its path, p the drafter's probability of each token on
+    it and q calibrated online per probability bin from the target's choices (``Calibration``: one
+    table for argmax candidates, one for runner-ups). The step keeps the first n nodes maximising
 
-        1 + sum_{j<=K} prod_{i<=j} q(p_i)  -  lambda * cost[K]
+        1 + sum_{i<=n} P(node i on the target's path)  -  lambda * cost[n]
 
     where lambda is the decoder's throughput (tokens per unit of relative cost, from the plan's model
-    at first, then from the steps taken): a draft is worth its verify cost when the tokens it is
+    at first, then from the steps taken): a node is worth its verify cost when the tokens it is
     expected to add beat what that time would produce on average. Confident stretches (boilerplate,
-    a name being repeated) get long chains, uncertain ones short: more tokens per step for the same
-    cost where a fixed K over- or under-verifies. The drafter forward is already paid, so it does
-    not enter the choice. Tree steps keep the best-first prefix of a tree built up to
-    ``AdaptiveTreeBudget.tree_cap`` nodes that maximises the same expression.
+    a name being repeated) get deep chains, uncertain ones a few shallow alternatives or none: more
+    tokens per step for the same cost where a fixed plan over- or under-verifies. The drafter forward
+    is already paid, so it does not enter the choice.
 
     Args:
         cost: relative verify cost of n = 1.. tokens.
@@ -350,20 +347,6 @@ class ConfidenceCut:
     def rate(self) -> float:
         """Current throughput estimate (tokens per unit of relative cost)."""
         return self.tokens / self.spent
-
-    def length(self, top_logprobs: Sequence[float]) -> int:
-        """Drafts to verify this step (0..len(top_logprobs))."""
-        self._rows = [[float(v)] for v in top_logprobs]
-        lam, best_k, best, e, p = self.rate, 0, 1.0 - self.rate * self.cost[0], 1.0, 1.0
-        for k, v in enumerate(top_logprobs, start=1):
-            if k >= len(self.cost):
-                break
-            p *= self.accept_prob(v)
-            e += p
-            gain = e - lam * self.cost[k]
-            if gain > best + 1e-12:
-                best_k, best = k, gain
-        return best_k
 
     def tree_size(self, vals: Sequence[Sequence[float]], tree: DraftTree) -> int:
         """Drafted nodes to keep of a best-first tree (its first n nodes, n in 0..len(tree) - 1).

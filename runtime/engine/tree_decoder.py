@@ -44,7 +44,7 @@ from runtime.engine.tree import (
     truncate_tree,
     walk,
 )
-from runtime.engine.tree_budget import RANKS, FixedTreeBudget, TreeBudgetPolicy
+from runtime.engine.tree_budget import RANKS, AdaptiveTreeBudget, FixedTreeBudget, TreeBudgetPolicy
 
 TREE_ATTENTION = ("sdpa", "eager")  # attention implementations that take a custom 4D mask
 
@@ -185,8 +185,9 @@ class TreeDecoder(DFlashDecoder):
 
             budget = self.policy.budget()
             planned = self.block_size - 1  # slots a tree may reach (the stats' verify length)
-            cut = getattr(self.policy, "chain_length_for", None) if budget == 0 else None
-            if budget == 0 and cut is None:  # the policy chose a chain of K argmax drafts for this step
+            pol = self.policy
+            sized = pol if isinstance(pol, AdaptiveTreeBudget) and pol.confidence is not None else None
+            if budget == 0 and sized is None:  # the policy chose a chain of K argmax drafts for this step
                 planned = min(planned, self.policy.chain_length())
                 depth = min(depth, planned)
 
@@ -194,17 +195,15 @@ class TreeDecoder(DFlashDecoder):
             tree = DraftTree((anchor,), (-1,), (0,), (-1,))
             if depth > 0:
                 logprobs, vocab_ids, extra_ids = self.draft_logprobs(anchor, start, depth, pending, d_cache, committed)
-                cap = self.policy.tree_cap() if hasattr(self.policy, "tree_cap") else budget
-                vals, toks = slot_candidates(logprobs, max(budget, cap, RANKS), vocab_ids, extra_ids)  # [depth][w]
-                size = getattr(self.policy, "tree_size_for", None) if budget > 0 else None
-                if size is not None:  # the best-first tree up to the cap, cut where confidence ends
-                    tree = tree_from_candidates(vals, toks, anchor, self.policy.tree_cap())  # type: ignore[attr-defined]
-                    tree = truncate_tree(tree, size(vals, tree))
+                cap = sized.tree_cap() if sized is not None else budget
+                vals, toks = slot_candidates(logprobs, max(cap, RANKS), vocab_ids, extra_ids)  # [depth][w]
+                if sized is not None:  # the best-first tree up to the cap, cut where the drafter's confidence ends
+                    tree = tree_from_candidates(vals, toks, anchor, cap)
+                    tree = truncate_tree(tree, sized.tree_size_for(vals, tree))
+                    if budget == 0:
+                        planned = tree.max_depth
                 elif budget > 0:
                     tree = tree_from_candidates(vals, toks, anchor, budget)
-                elif cut is not None:  # a chain as long as the drafter's confidence makes it worth
-                    planned = cut([row[0] for row in vals])
-                    tree = chain_tree(anchor, [row[0] for row in toks[:planned]], toks)
                 else:
                     tree = chain_tree(anchor, [row[0] for row in toks], toks)
                 pending = pending[:, :0] if pending is not None else None
