@@ -236,9 +236,7 @@ class LeanTarget(TargetModel):
         attn0: Any = self.layers[0].self_attn
         self.head_dim = int(attn0.head_dim)
         f32 = weights == torch.float32 and (
-            native_f32
-            if native_f32 is not None
-            else sum(p.numel() for p in model.parameters()) >= NATIVE_F32_MIN_PARAMS
+            native_f32 if native_f32 is not None else sum(p.numel() for p in model.parameters()) >= NATIVE_F32_MIN_PARAMS
         )
         self.lean_layers = [_Layer(layer, pack, act, f32) for layer in self.layers]
         inner: Any = model.model
