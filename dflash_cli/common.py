@@ -117,8 +117,8 @@ ConfidenceCutOpt = Annotated[
     bool | None,
     typer.Option(
         "--confidence-cut/--no-confidence-cut",
-        help="Where the device verifies chains, verify per step only the drafts the drafter is sure enough "
-        "of to be worth their cost (default: on; also DFLASH_CONFIDENCE_CUT=0).",
+        help="Size each step's draft tree by the drafter's own confidence, verifying only the nodes worth "
+        "their cost (default: on; --no-confidence-cut or DFLASH_CONFIDENCE_CUT=0 verifies the plan).",
     ),
 ]
 DecoderOpt = Annotated[DecoderChoice, typer.Option("--decoder", help="dflash (speculative) or ar (plain).")]

@@ -156,9 +156,9 @@ class DecodeOptions:
         lookup: with tree verification, most tokens per step copied from the context where its last
             tokens occurred before (``runtime.engine.lookup``); 0 = off; None: the default
             (``DEFAULT_LOOKUP``).
-        confidence_cut: where the device's plan is a chain, verify per step only the drafts the
-            drafter's own confidence makes worth their cost (``tree_budget.ConfidenceCut``); None: on
-            unless DFLASH_CONFIDENCE_CUT is 0.
+        confidence_cut: with the device's adaptive plan, size each step's draft tree by the
+            drafter's own confidence, keeping only the nodes worth their verify cost
+            (``tree_budget.ConfidenceCut``); None: on unless DFLASH_CONFIDENCE_CUT is 0.
     """
 
     decoder: str = "dflash"

@@ -44,12 +44,12 @@ def test_a_higher_throughput_asks_more_of_each_draft():
 
 
 def test_calibration_learns_an_overconfident_drafter():
-    cut = ConfidenceCut(F32, rate=1.5)
+    cut = ConfidenceCut(F32, rate=1.5, draft_cost=0.1)
     sure = chain_of([0.95] * 7)
     assert cut.tree_size(*sure) == 7
     for _ in range(60):  # the drafter is sure, the target disagrees at the first slot every time
         cut.tree_size(*sure)
-        cut.observe([-1], tokens=1, nodes=8, draft_cost=0.1)
+        cut.observe([-1], tokens=1, nodes=8)
     assert cut.accept_prob(math.log(0.95)) < 0.2
     assert cut.tree_size(*sure) == 0
     assert cut.rate < 1.0  # one token per 8-token verify: the measured throughput fell
@@ -103,7 +103,7 @@ def test_option_and_environment_turn_it_off(tiny_pair, monkeypatch):
 def test_tree_steps_keep_the_best_first_prefix_worth_its_cost():
     # bf16-like costs: flat to 6 tokens, then each token costs
     cost = [1.0, 1.0, 1.0, 1.0, 1.03, 1.03, 1.21, 1.27, 1.32, 1.36, 1.41, 1.46, 1.52, 1.59, 1.66, 1.72, 1.79]
-    cut = ConfidenceCut(cost, rate=2.0)
+    cut = ConfidenceCut(cost, rate=2.0, draft_cost=0.1)
     sure = [[math.log(0.97), math.log(0.01)]] * 7
     tree = tree_from_candidates(sure, [[10 + d, 50 + d] for d in range(7)], anchor=1, budget=16)
     n = cut.tree_size(sure, tree)
@@ -117,7 +117,7 @@ def test_tree_steps_keep_the_best_first_prefix_worth_its_cost():
     before = cut.other_prob(math.log(0.15))
     for _ in range(40):
         cut.tree_size(unsure, tree)
-        cut.observe([1, 1], tokens=3, nodes=6, draft_cost=0.1)
+        cut.observe([1, 1], tokens=3, nodes=6)
     assert cut.other_prob(math.log(0.15)) > before + 0.3
 
 

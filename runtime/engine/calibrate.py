@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from runtime.engine.kv_cache import DraftKVCache
+from runtime.engine.verify_length import running_max
 
 
 @dataclass(frozen=True)
@@ -73,11 +74,8 @@ def untrustworthy(costs: VerifyCosts, previous: VerifyCosts | None = None) -> st
 
 def monotone(costs: VerifyCosts) -> VerifyCosts:
     """The measurement with each verify cost raised to the largest shorter one (longer is never cheaper)."""
-    out, top = [], 0.0
-    for x in costs.verify:
-        top = max(top, x)
-        out.append(round(top, 4))
-    return VerifyCosts(tuple(out), costs.draft, costs.one_token_seconds, costs.spread)
+    out = tuple(round(x, 4) for x in running_max(costs.verify))
+    return VerifyCosts(out, costs.draft, costs.one_token_seconds, costs.spread)
 
 
 def _sync(device: torch.device) -> None:

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from runtime.engine.tree import DraftTree, tree_from_candidates
-from runtime.engine.verify_length import GENERIC_CONDITIONAL
+from runtime.engine.verify_length import GENERIC_CONDITIONAL, running_max
 
 BUDGETS = (4, 8, 16, 32, 64)
 RANKS = 8  # ranks tracked per depth
@@ -180,7 +180,7 @@ class AdaptiveTreeBudget:
         self.every = every
         self._steps = 0
         self.plan = best_plan(self.coverage(), self.cost, draft_cost, max_depth, self.budgets)
-        self.confidence = ConfidenceCut(self.cost, self._plan_rate(), calibration) if confidence else None
+        self.confidence = ConfidenceCut(self.cost, self._plan_rate(), calibration, draft_cost) if confidence else None
 
     def _plan_rate(self) -> float:
         """Expected tokens per unit of relative cost of the current plan (the model's throughput)."""
@@ -230,7 +230,7 @@ class AdaptiveTreeBudget:
             if 0 <= r < RANKS:
                 self.hits[d][r] += 1
         if self.confidence is not None:
-            self.confidence.observe(ranks, tokens, nodes, self.draft_cost if nodes and nodes > 1 else 0.0)
+            self.confidence.observe(ranks, tokens, nodes)
         self._steps += 1
         if self._steps % self.every == 0:
             self.plan = best_plan(self.coverage(), self.cost, self.draft_cost, self.max_depth, self.budgets)
@@ -323,13 +323,14 @@ class ConfidenceCut:
         cost: relative verify cost of n = 1.. tokens.
         rate: the initial throughput (tokens per unit of relative cost).
         calibration: a shared calibration (a new one if None).
+        draft_cost: relative cost of one drafter forward (counted into the throughput of drafted steps).
     """
 
-    def __init__(self, cost: Sequence[float], rate: float, calibration: Calibration | None = None) -> None:
-        top, self.cost = 0.0, []
-        for c in cost:  # a longer verify never costs less
-            top = max(top, float(c))
-            self.cost.append(top)
+    def __init__(
+        self, cost: Sequence[float], rate: float, calibration: Calibration | None = None, draft_cost: float = 0.0
+    ) -> None:
+        self.cost = running_max(cost)
+        self.draft_cost = draft_cost
         self.calibration = calibration if calibration is not None else Calibration()
         self.tokens = RATE_PRIOR * rate
         self.spent = RATE_PRIOR
@@ -374,7 +375,7 @@ class ConfidenceCut:
                 best_n, best = i, gain
         return best_n
 
-    def observe(self, ranks: Sequence[int], tokens: int | None, nodes: int | None, draft_cost: float) -> None:
+    def observe(self, ranks: Sequence[int], tokens: int | None = None, nodes: int | None = None) -> None:
         """Calibrate from the target's choice at each visited depth (its rank among the candidates,
         -1: none of them) and count the step's tokens and modelled cost."""
         for d, r in enumerate(ranks[: len(self._rows)]):
@@ -383,4 +384,4 @@ class ConfidenceCut:
         self._rows = []
         if tokens is not None and nodes is not None and nodes >= 1:
             self.tokens += tokens
-            self.spent += self.cost[min(nodes - 1, len(self.cost) - 1)] + draft_cost
+            self.spent += self.cost[min(nodes - 1, len(self.cost) - 1)] + (self.draft_cost if nodes > 1 else 0.0)

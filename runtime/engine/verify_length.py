@@ -62,6 +62,15 @@ class FixedVerifyLength:
         """Nothing to learn."""
 
 
+def running_max(costs: Sequence[float]) -> list[float]:
+    """Each cost raised to the largest one before it: a longer verify never costs less."""
+    out, top = [], 0.0
+    for c in costs:
+        top = max(top, float(c))
+        out.append(top)
+    return out
+
+
 def expected_tokens(cumulative: Sequence[float], k: int) -> float:
     """1 + sum of P(first j drafts accepted) for j = 1..k."""
     return 1.0 + sum(cumulative[:k])
@@ -129,10 +138,7 @@ class AdaptiveVerifyLength:
         trust: int = 3,
     ) -> None:
         self.max_k = max_k
-        top, self.cost = 0.0, []
-        for c in cost:
-            top = max(top, float(c))
-            self.cost.append(top)
+        self.cost = running_max(cost)
         self.draft_cost = draft_cost
         cond = list(prior) if prior else [GENERIC_CONDITIONAL] * max_k
         cond = (cond + [cond[-1] if cond else GENERIC_CONDITIONAL] * max_k)[:max_k]
