@@ -672,3 +672,64 @@ def test_recorded_out_reads_the_last_command() -> None:
     assert _recorded_out(["dflash train --out=runs/b"]) == "runs/b"
     assert _recorded_out(["dflash train -o runs/c --steps 3"]) == "runs/c"
     assert _recorded_out(["dflash train --data d"]) is None
+
+
+def test_walk_follows_the_decoder_steps():
+    from runtime.train.trainer import Trainer
+
+    # anchors 10..19 of a 21-token sequence: a run of 2 at 10 commits 11, 12 and the target's 13;
+    # 13 has a run of 0 -> 14; a run of 1 -> 16; the runs at 11, 12, 15 are never drafted
+    runs = [2, 5, 5, 0, 1, 0, 3, 0, 0, 0]
+    assert Trainer.walk(runs, 10, 20) == [2, 0, 1, 3]  # 16 + 3 + 1 = 20: done
+    assert Trainer.walk([7] * 10, 10, 20) == [7, 1]  # the last step commits the answer's last two tokens
+
+
+def test_tau_walk_predicts_the_chain_decoder(tiny, tmp_path):
+    """tau_walk (teacher-forced drafts at every anchor, walked) equals the decoder's own tau on the
+    same held-out answers: chain of the whole block, no lookup, float32."""
+    from runtime import DecodeOptions
+
+    pipe, _, data_dir, _ = tiny
+    spec = DrafterSpec(num_layers=1, block_size=4, draft_vocab=0)
+    cfg = TrainConfig(steps=150, lr=3e-3, anchors=16, eval_every=1000, checkpoint_every=1e9, seed=0, bf16=False)
+    trainer = fit(pipe.target, pipe.tokenizer, data_dir, tmp_path, spec, cfg)
+    val = trainer.validate()
+    assert 1.0 < val["tau_walk"] < 4.0 and 0.0 <= val["walk_top1"] <= 1.0
+    p = load_pipeline(
+        ModelRef(target=str(pipe.pair.target_dir), drafter=str(tmp_path / "checkpoint")), RuntimeConfig(dtype="float32")
+    )
+    opts = DecodeOptions(verify_length=3, tree_budget=0, lookup=0, confidence_cut=False)
+    steps = committed = 0
+    data = trainer.val_data
+    for i in range(min(16, len(data))):
+        tokens, _, plen = data.get(i, 640)
+        want = tokens[plen:].tolist()
+        ev = list(p.stream(tokens[:plen].tolist(), SamplingParams(max_new_tokens=len(want)), opts))
+        assert collect_ids(ev) == want  # the same text the walk was measured on
+        steps += ev[-1].stats.verify_steps
+        committed += ev[-1].stats.accepted_tokens + ev[-1].stats.verify_steps
+    assert abs(committed / steps - val["tau_walk"]) < 0.02, (committed / steps, val["tau_walk"], val["tau_tf"])
+
+
+def test_walk_anchor_sampling_trains_on_the_decoder_anchors(tiny, tmp_path):
+    import random
+
+    from runtime.train.trainer import build_batch
+
+    pipe, _, data_dir, _ = tiny
+    tokens = torch.arange(20)
+    feats = torch.zeros(20, 4)
+    b = build_batch([(tokens, feats, 5)], 48, 4, 0, random.Random(0), candidates=[[5, 9, 14, 30]])
+    assert b["block_ids"][0, ::4].tolist() == [5, 9, 14]  # only the candidates inside the answer
+    spec = DrafterSpec(num_layers=1, block_size=4, draft_vocab=0)
+    cfg = TrainConfig(steps=60, lr=3e-3, anchors=16, eval_every=30, checkpoint_every=1e9, anchor_sampling="walk")
+    trainer = fit(pipe.target, pipe.tokenizer, data_dir, tmp_path, spec, cfg)
+    hist = trainer.state.history
+    assert hist[-1]["val_loss"] < hist[0]["val_loss"]
+    with pytest.raises(Exception, match="anchor_sampling"):
+        TrainConfig(steps=1, anchor_sampling="random")
+    res = CliRunner().invoke(
+        app, ["train", "--out", str(tmp_path / "x"), "--steps", "1", "--anchor-sampling", "random"]
+    )
+    assert res.exit_code == 2 and "--anchor-sampling takes uniform or walk" in res.output
+    assert not (tmp_path / "x").exists()

@@ -196,6 +196,14 @@ def train(
         ),
     ] = None,
     anchors: Annotated[int, typer.Option("--anchors", help="Blocks per sequence per step.")] = 48,
+    anchor_sampling: Annotated[
+        str,
+        typer.Option(
+            "--anchor-sampling",
+            help="uniform: blocks anchored anywhere in the answer; walk: only where the chain decoder would "
+            "anchor with the drafter as it is (each step drafts its sequences once more, without gradients).",
+        ),
+    ] = "uniform",
     seqs_per_step: Annotated[int, typer.Option("--seqs-per-step", help="Sequences per step.")] = 2,
     max_len: Annotated[int, typer.Option("--max-len", help="Tokens per training sequence.")] = 640,
     precision: Annotated[
@@ -303,6 +311,8 @@ def train(
             )
     if layers is not None and layers < 1:
         raise typer.BadParameter(f"--layers must be >= 1, got {layers}")
+    if anchor_sampling not in ("uniform", "walk"):
+        raise typer.BadParameter(f"--anchor-sampling takes uniform or walk, got {anchor_sampling!r}")
     spec = DrafterSpec(
         num_layers=layers or 1,
         block_size=block_size,
@@ -322,6 +332,7 @@ def train(
             "lr": lr,
             "copy_lr": copy_lr,
             "anchors": anchors,
+            "anchor_sampling": anchor_sampling,
             "seqs_per_step": seqs_per_step,
             "max_len": max_len,
             "distill": distill,
@@ -723,9 +734,13 @@ def _train_progress(say: Any, out: Path | None = None) -> Any:
             if "val" in info and info["val"]:
                 v = info["val"]
                 line += f" | val loss {v['val_loss']:.3f} tau_tf {v['tau_tf']:.2f} (K=3: {v['tau_tf_k3']:.2f})"
+                if "tau_walk" in v:
+                    line += f" walk {v['tau_walk']:.2f}"
             for name, m in (info.get("evals") or {}).items():
                 if m:
                     line += f" | {name} tau_tf {m['tau_tf']:.2f} top1@1 {m['topk_coverage']['top1'][0]:.2f}"
+                    if "tau_walk" in m:
+                        line += f" walk {m['tau_walk']:.2f}"
             say(line)
 
     return show
@@ -873,6 +888,8 @@ def _side_by_side(pipe: Any, evaluation: dict[str, Any]) -> list[str]:
             "|---|" + "---|" * len(names),
             row("tau_tf (whole block)", lambda n: tf[n]["tau_tf"]),
         ]
+        if all("tau_walk" in tf[n] for n in names):
+            lines.append(row("tau_walk (whole block, as the decoder walks)", lambda n: tf[n]["tau_walk"]))
         for k in range(3):
             lines.append(
                 row(
