@@ -26,6 +26,8 @@ def format_stats_line(stats: Any, reason: str) -> str:
         )
         if getattr(stats, "lookup", 0):
             line += f", lookup {stats.lookup} ({stats.copied_tokens} copied)"
+        if stats.verify_steps:  # the confidence cut sizes every step: the label above is the last step's
+            line += f", {stats.drafted_tokens / stats.verify_steps:.1f} drafted/step"
     return line + f" | finish: {reason}"
 
 

@@ -136,6 +136,9 @@ def test_run_tree_budget_json_carries_the_tree(tiny_pair):
     assert lines[-1]["stats"]["tree_budget"] == 6
     assert "".join(t["text"] for x in lines[:-1] for t in x["tokens"]) == chain.stdout  # same text as the chain
     assert "tree 6" in tree.stderr
+    # the stats line says how many nodes a step verified on average (the confidence cut varies it)
+    st = lines[-1]["stats"]
+    assert f"{st['drafted_tokens'] / st['verify_steps']:.1f} drafted/step" in tree.stderr
     bad = runner.invoke(app, ["run", *base, "--tree-budget", "-3"])
     assert bad.exit_code != 0 and "tree budget" in bad.stderr
 
