@@ -714,13 +714,18 @@ def test_tau_walk_predicts_the_chain_decoder(tiny, tmp_path):
 def test_walk_anchor_sampling_trains_on_the_decoder_anchors(tiny, tmp_path):
     import random
 
-    from runtime.train.trainer import build_batch
+    from runtime.train.trainer import Trainer, build_batch
 
     pipe, _, data_dir, _ = tiny
     tokens = torch.arange(20)
     feats = torch.zeros(20, 4)
     b = build_batch([(tokens, feats, 5)], 48, 4, 0, random.Random(0), candidates=[[5, 9, 14, 30]])
     assert b["block_ids"][0, ::4].tolist() == [5, 9, 14]  # only the candidates inside the answer
+    # a window entered at its first anchor: 0 (run 2) -> 3 (run 0) -> 4 (run 1) -> 6; the second
+    # sequence's window holds 3 anchors
+    runs = torch.tensor([[2, 3, 3, 0, 1, 2, 0, 0], [0, 7, 0, 5, 5, 5, 5, 5]])
+    anchored = torch.tensor([[True] * 8, [True] * 3 + [False] * 5])
+    assert Trainer.walk_rows(runs, anchored).long().tolist() == [[1, 0, 0, 1, 1, 0, 1, 1], [1, 1, 0, 0, 0, 0, 0, 0]]
     spec = DrafterSpec(num_layers=1, block_size=4, draft_vocab=0)
     cfg = TrainConfig(steps=60, lr=3e-3, anchors=16, eval_every=30, checkpoint_every=1e9, anchor_sampling="walk")
     trainer = fit(pipe.target, pipe.tokenizer, data_dir, tmp_path, spec, cfg)

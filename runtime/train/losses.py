@@ -179,3 +179,29 @@ def fused_head_loss(
             extra,
         )
     return HeadLoss(loss, lse, picked, pred if metrics else None, rank if metrics else None)
+
+
+@torch.no_grad()
+def head_argmax(
+    h: torch.Tensor,
+    head: torch.Tensor,
+    chunk: int = DEFAULT_CHUNK,
+    bonus: torch.Tensor | None = None,
+    bonus_col: torch.Tensor | None = None,
+    extra: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The argmax column of ``h @ head.T`` (with the pointer's ``bonus`` and ``extra`` column as in
+    ``fused_head_loss``), chunk by chunk and without gradients: [R] indices, N for the extra column."""
+    out = torch.empty(h.shape[0], dtype=torch.long, device=h.device)
+    hh = h.detach().to(head.dtype)
+    with torch.autocast(h.device.type, enabled=False):
+        for s in range(0, h.shape[0], chunk):
+            e = min(s + chunk, h.shape[0])
+            logits = (hh[s:e] @ head.T).float()
+            if bonus is not None and bonus_col is not None:
+                logits.scatter_add_(1, bonus_col[s:e, None].to(h.device), bonus[s:e, None].float())
+            best, idx = logits.max(-1)
+            if extra is not None:
+                idx = torch.where(extra[s:e].float() > best, torch.full_like(idx, head.shape[0]), idx)
+            out[s:e] = idx
+    return out

@@ -33,7 +33,7 @@ from runtime.engine.drafter import DFlashDraftModel, draft_columns_to_ids, load_
 from runtime.engine.lookup import NgramIndex, block_copies
 from runtime.errors import ConfigError
 from runtime.train.data import Shard, load_shard
-from runtime.train.losses import fused_head_loss
+from runtime.train.losses import fused_head_loss, head_argmax
 from runtime.train.state import load_trainer_state, save_trainer_state
 
 Progress = Callable[[dict[str, Any]], None]
@@ -68,9 +68,10 @@ class TrainConfig:
         copy_lr: peak learning rate of a drafter's copy inputs (``copy_scale``, ``copy_bias``; they
             start at 0 and must grow to several units), or None for ``COPY_LR_SCALE`` x ``lr``.
             A low ``lr`` with a high ``copy_lr`` teaches the copy inputs while the layers move little.
-        anchor_sampling: "uniform" (blocks anchored anywhere in the answer) or "walk" (only where the
-            chain decoder would anchor with the drafter as it is now: each step first drafts every
-            anchor of its sequences without gradients and walks them, ``Trainer.walk``).
+        anchor_sampling: "uniform" (blocks anchored anywhere in the answer) or "walk" (a window of
+            ``anchors`` consecutive anchors per sequence, of which only those a chain decoder would
+            visit with the drafter as it is now are trained on: the step's own drafts are walked,
+            ``Trainer.walk_rows``, before the loss is taken).
         walk_seqs: held-out sequences that ``validate`` walks for ``tau_walk``.
     """
 
@@ -527,6 +528,8 @@ class Trainer:
             # the pointer's extra column makes some labels outside the draft vocabulary trainable
             pointer, extra_ids, target = self._pointer(batch, rows, target, labels)
         w = self.weights.repeat(n * a)
+        if self._walk and self.drafter.training:  # on-policy: only the anchors the decoder would visit
+            w = w * self._visited(rows, labels, pointer, extra_ids).repeat_interleave(self.block - 1).float()
         valid = (target >= 0).float()
         hard_coef = w * valid / (w * valid).sum().clamp(min=1e-6)
         ids, coef = target.clamp(min=0)[:, None], hard_coef[:, None]
@@ -592,6 +595,18 @@ class Trainer:
         row = wh / wh.sum().clamp(min=1e-6)
         entropy = (-(q * q.clamp(min=1e-12).log()).sum(-1) * row).sum()
         return idx.clamp(min=0).to(self.device), q * row[:, None], entropy
+
+    def _visited(
+        self, rows: torch.Tensor, labels: torch.Tensor, pointer: dict[str, torch.Tensor], extra_ids: torch.Tensor | None
+    ) -> torch.Tensor:
+        """[n * a] the anchors of a window batch that the walk visits, from the drafts as they are now."""
+        n, a, k = labels.shape
+        pred = head_argmax(
+            rows, self.head, bonus=pointer.get("bonus"), bonus_col=pointer.get("bonus_col"), extra=pointer.get("extra")
+        )
+        correct = (self.drafter_ids(pred, extra_ids).view(n, a, k) == labels) & (labels >= 0)
+        runs = torch.cumprod(correct.long(), dim=-1).sum(-1)
+        return self.walk_rows(runs.cpu(), (labels >= 0).any(-1).cpu()).reshape(-1).to(rows.device)
 
     def drafter_ids(self, idx: torch.Tensor, extra_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Draft-head indices [R] -> full-vocab ids (index N: the row's ``extra_ids``, the copy
@@ -693,19 +708,29 @@ class Trainer:
             _, m = self._forward(b)
         return [int(x) for x in torch.cumprod(m["correct"][0].long(), dim=-1).sum(-1).tolist()]
 
-    def _walk_anchors(
-        self, seq: tuple[torch.Tensor, torch.Tensor, int], labels: torch.Tensor | None
-    ) -> list[int] | None:
-        """The anchors a chain decoder would visit on this training sequence with the drafter as it is."""
-        runs = self._all_anchor_runs(seq, labels, self.corpus_train)
-        if runs is None:
-            return None
-        first = max(seq[2], 1)
-        out, a = [], first
-        for r in self.walk(runs, first, seq[0].numel() - 1):
-            out.append(a)
-            a += r + 1
-        return out
+    def _window(self, seq: tuple[torch.Tensor, torch.Tensor, int]) -> list[int]:
+        """``anchors`` consecutive anchors at a random place in the answer (all of a shorter one)."""
+        lo, end = max(seq[2], 1), seq[0].numel() - 1
+        n = min(self.cfg.anchors, max(end - lo, 0))
+        start = self.rng.randint(lo, end - n) if end - n > lo else lo
+        return list(range(start, start + n))
+
+    @staticmethod
+    def walk_rows(runs: torch.Tensor, anchored: torch.Tensor) -> torch.Tensor:
+        """[n, a] True at the anchors a chain decoder visits when it enters each sequence's window
+        of consecutive anchors at the first one: anchor j -> j + run + 1.
+
+        Args:
+            runs: [n, a] leading run of correct drafts at each anchor.
+            anchored: [n, a] the anchors that exist (a sequence's window may be shorter).
+        """
+        keep = torch.zeros_like(anchored)
+        for i in range(runs.shape[0]):
+            count, j, row = int(anchored[i].sum()), 0, runs[i].tolist()
+            while j < count:
+                keep[i, j] = True
+                j += int(row[j]) + 1
+        return keep
 
     @torch.no_grad()
     def walk_metrics(self, data: ShardDataset, max_seqs: int = 16) -> dict[str, Any]:
@@ -745,7 +770,7 @@ class Trainer:
             seqs = [self.train_data.get(i, self.cfg.max_len) for i in picks]
             soft = [self.train_data.get_topk(i, self.cfg.max_len) for i in picks] if self._soft else None
             targets = [self.train_data.get_labels(i, self.cfg.max_len) for i in picks]
-            walks = [self._walk_anchors(s, t) for s, t in zip(seqs, targets, strict=True)] if self._walk else None
+            walks = [self._window(s) for s in seqs] if self._walk else None
             batch = build_batch(
                 seqs,
                 self.cfg.anchors,
