@@ -27,7 +27,9 @@ data_dir = Path(sys.argv[1])
 for name in sys.argv[2:]:
     dr = load_draft_model(embedded_drafter_dir() if name == "embedded" else Path(name), "cpu", torch.float32)
     ds = open_eval_set(data_dir, list(dr.dflash.target_layer_ids), embed.shape[1])
-    tr = Trainer(dr, embed, head, ds, ds, TrainConfig(steps=1, bf16=False), Path("/tmp/dflash-walk"), "cpu")
+    tr = Trainer(
+        dr, embed, head, ds, ds, TrainConfig(steps=1, bf16=False, max_len=1 << 14), Path("/tmp/dflash-walk"), "cpu"
+    )
     m = tr.walk_metrics(ds, max_seqs=1 << 30)
     print(
         f"{name}: tau_walk {m['tau_walk']:.3f} | slot 1 right at the walk's anchors {m['walk_top1']:.1%} | {len(ds)} answers"
