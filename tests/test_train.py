@@ -194,6 +194,7 @@ def test_cli_train_end_to_end(tiny, tmp_path, monkeypatch):
     card = (drafter_dir / "README.md").read_text()
     assert "median tau" in card and "Reproduce" in card
     assert "dflash train --target" in card and "--steps 30" in card
+    assert "| tau_walk (whole block, as the decoder walks) |" in card  # next to tau_tf, for both sets
     # the continue line names the run folder as the commands above it do (they run from one folder)
     trained = next(line for line in card.splitlines() if line.startswith("dflash train --target"))
     cont = next(line for line in card.splitlines() if "--resume --extend" in line)
