@@ -200,8 +200,8 @@ def train(
         str,
         typer.Option(
             "--anchor-sampling",
-            help="uniform: blocks anchored anywhere in the answer; walk: only where the chain decoder would "
-            "anchor with the drafter as it is (each step drafts its sequences once more, without gradients).",
+            help="uniform: blocks anchored anywhere in the answer; walk: a window of --anchors consecutive "
+            "anchors per sequence, trained only where the chain decoder would anchor with the drafter as it is.",
         ),
     ] = "uniform",
     seqs_per_step: Annotated[int, typer.Option("--seqs-per-step", help="Sequences per step.")] = 2,

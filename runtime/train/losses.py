@@ -51,6 +51,25 @@ class HeadLoss:
     rank: torch.Tensor | None = None
 
 
+def _chunk_logits(
+    hh: torch.Tensor,
+    head: torch.Tensor,
+    s: int,
+    e: int,
+    bonus: torch.Tensor | None,
+    bonus_col: torch.Tensor | None,
+    extra: torch.Tensor | None,
+) -> torch.Tensor:
+    """float32 logits of rows ``s:e``: the head, the pointer's ``bonus`` at ``bonus_col`` and the
+    ``extra`` column N where given ([c, N] or [c, N + 1])."""
+    logits = (hh[s:e] @ head.T).float()
+    if bonus is not None and bonus_col is not None:
+        logits.scatter_add_(1, bonus_col[s:e, None], bonus[s:e, None].float())
+    if extra is not None:
+        logits = torch.cat([logits, extra[s:e, None].float()], 1)
+    return logits
+
+
 class _FusedHeadCE(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -80,11 +99,7 @@ class _FusedHeadCE(torch.autograd.Function):
         hh = h.to(head.dtype)
         for s in range(0, rows, chunk):
             e = min(s + chunk, rows)
-            logits = (hh[s:e] @ head.T).float()  # [c, N]
-            if bonus is not None and bonus_col is not None:
-                logits.scatter_add_(1, bonus_col[s:e, None], bonus[s:e, None].float())
-            if extra is not None:
-                logits = torch.cat([logits, extra[s:e, None].float()], 1)  # [c, N + 1]
+            logits = _chunk_logits(hh, head, s, e, bonus, bonus_col, extra)  # [c, N (+ 1)]
             top = logits.amax(-1, keepdim=True)
             at_ids = logits.gather(1, ids[s:e])
             if metrics:
@@ -194,14 +209,9 @@ def head_argmax(
     ``fused_head_loss``), chunk by chunk and without gradients: [R] indices, N for the extra column."""
     out = torch.empty(h.shape[0], dtype=torch.long, device=h.device)
     hh = h.detach().to(head.dtype)
+    col = bonus_col.to(h.device) if bonus_col is not None else None
     with torch.autocast(h.device.type, enabled=False):
         for s in range(0, h.shape[0], chunk):
             e = min(s + chunk, h.shape[0])
-            logits = (hh[s:e] @ head.T).float()
-            if bonus is not None and bonus_col is not None:
-                logits.scatter_add_(1, bonus_col[s:e, None].to(h.device), bonus[s:e, None].float())
-            best, idx = logits.max(-1)
-            if extra is not None:
-                idx = torch.where(extra[s:e].float() > best, torch.full_like(idx, head.shape[0]), idx)
-            out[s:e] = idx
+            out[s:e] = _chunk_logits(hh, head, s, e, bonus, col, extra).argmax(-1)
     return out

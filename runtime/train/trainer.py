@@ -726,10 +726,10 @@ class Trainer:
         """
         keep = torch.zeros_like(anchored)
         for i in range(runs.shape[0]):
-            count, j, row = int(anchored[i].sum()), 0, runs[i].tolist()
-            while j < count:
+            count, j = int(anchored[i].sum()), 0
+            for r in Trainer.walk(runs[i, :count].tolist(), 0, count):
                 keep[i, j] = True
-                j += int(row[j]) + 1
+                j += r + 1
         return keep
 
     @torch.no_grad()
