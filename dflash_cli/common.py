@@ -150,6 +150,13 @@ def data_home() -> Path:
     return Path(user_cache_dir("dflash", appauthor=False))
 
 
+def confidence_cut(flag: bool | None) -> bool:
+    """The confidence cut asked for: the flag, else on unless DFLASH_CONFIDENCE_CUT is 0."""
+    if flag is not None:
+        return flag
+    return os.environ.get("DFLASH_CONFIDENCE_CUT", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def configure_kernels() -> None:
     """Native CPU kernels: on unless DFLASH_NATIVE=0, compiled into $DFLASH_HOME/kernels."""
     from runtime.engine import kernels

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from runtime.backend import Backend, Capabilities
 from runtime.config import DecodeOptions, DFlashConfig, RuntimeConfig, SamplingParams
-from runtime.engine import AutoregressiveDecoder, CancelToken, Decoder, DFlashDecoder
+from runtime.engine import CancelToken, Decoder, SpeculativeDecoder, chain_decoder, plain_decoder, tree_decoder
 from runtime.engine.events import (
     BlockVerified,
     DecodeEvent,
@@ -41,14 +41,16 @@ from runtime.pipeline import LoadOptions, ModelRef, Pipeline, load_pipeline
 from runtime.session import SessionOptions, open_backend
 
 __all__ = [
-    "AutoregressiveDecoder",
     "Backend",
     "BlockVerified",
     "CancelToken",
     "Capabilities",
     "ConfigError",
     "DFlashConfig",
-    "DFlashDecoder",
+    "SpeculativeDecoder",
+    "chain_decoder",
+    "plain_decoder",
+    "tree_decoder",
     "DFlashError",
     "DecodeEvent",
     "DecodeOptions",

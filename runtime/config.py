@@ -70,7 +70,7 @@ class DFlashConfig:
         target_layer_ids: target decoder layers whose outputs feed the drafter.
         draft_vocab_size: size of the reduced draft vocabulary, or None for the full one.
         copy_ngram: (shortest, longest) context n-gram whose continuation the drafter is shown as
-            copy inputs (``runtime.engine.lookup.block_copies``), or None for a drafter without them.
+            copy inputs (``runtime.engine.ngram.block_copies``), or None for a drafter without them.
         copy_corpus: (shortest, longest) n-gram of the drafter's corpus table
             (``runtime.engine.corpus``), shown where the context has no match of two tokens; None
             without one. Needs ``copy_ngram``.

@@ -9,7 +9,6 @@ CLI, the TUI, bench and the server make.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,18 +17,16 @@ from typing import Any
 import torch
 
 from runtime.backend import Capabilities
-from runtime.config import DEFAULT_LOOKUP, DecodeOptions, RuntimeConfig, SamplingParams
-from runtime.engine import AutoregressiveDecoder, CancelToken, Decoder, DFlashDecoder
+from runtime.config import DecodeOptions, RuntimeConfig, SamplingParams
+from runtime.engine import CancelToken, Decoder, select_decoder
 from runtime.engine.calibrate import VerifyCosts
+from runtime.engine.confidence import HitRates
 from runtime.engine.device import dtype_name, resolve_device, resolve_dtype
 from runtime.engine.drafter import DFlashDraftModel, DraftModelConfig, load_draft_model
 from runtime.engine.events import DecodeEvent
 from runtime.engine.lean_target import LeanTarget, lean_supported
 from runtime.engine.linear import activations_in, all_linears_packed, int8_linears, pack_linears
 from runtime.engine.target import TargetModel
-from runtime.engine.tree_budget import DEFAULT_TREE_COST, AdaptiveTreeBudget, Calibration
-from runtime.engine.tree_decoder import TreeDecoder, tree_attention_support
-from runtime.engine.verify_length import DEFAULT_COST, AdaptiveVerifyLength, FixedVerifyLength, VerifyLengthPolicy
 from runtime.errors import ConfigError, InputError, ModelLoadError, UnsupportedModelError
 from runtime.models import embedded, presets
 from runtime.models.compat import ensure_compatible
@@ -224,14 +221,6 @@ def make_target(model: Any, engine: str = "auto", progress: Progress | None = No
     return TargetModel(model)
 
 
-def _has_sliding_layers(config: Any) -> bool:
-    """True when some target layers use a sliding window (their caches cannot be compacted)."""
-    types = getattr(config, "layer_types", None) or ()
-    if "sliding_attention" in types:
-        return True
-    return bool(getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None))
-
-
 class Pipeline:
     """A loaded pair: encode prompts, build decoders, stream events.
 
@@ -263,7 +252,7 @@ class Pipeline:
         self.costs: VerifyCosts | None = None  # measured verify/draft costs (runtime.engine.calibrate)
         self.quantization: str | None = None  # weight-only scheme of the target (runtime.quantize.schemes)
         # the confidence cut's calibration of this pair's drafter, shared by every request
-        self.cut_calibration = Calibration()
+        self.hit_rates = HitRates()
 
     # -- prompts -----------------------------------------------------------------------------
     @property
@@ -329,98 +318,21 @@ class Pipeline:
         """The drafter's trained block size (1 without a drafter)."""
         return self.drafter.dflash.block_size if self.drafter is not None else 1
 
-    def verify_policy(self, opts: DecodeOptions, block_size: int) -> VerifyLengthPolicy:
-        """How many drafts to verify per step for these options on this device."""
-        max_k = block_size - 1
-        if opts.verify_length is not None:
-            return FixedVerifyLength(min(opts.verify_length, max_k))
-        if opts.block_size is not None or self.device.type == "cuda":
-            return FixedVerifyLength(max_k)
-        cost = list(self.costs.verify) if self.costs else DEFAULT_COST.get(self.device.type, DEFAULT_COST["cpu"])
-        draft_cost = self.costs.draft if self.costs else 0.1
-        prior = None
-        if self.drafter is not None:
-            stats = self.drafter.config.raw.get("dflash_config", {}).get("acceptance_conditional")
-            prior = [float(x) for x in stats] if stats else None
-        return AdaptiveVerifyLength(max_k, cost, draft_cost=draft_cost, prior=prior)
-
-    def tree_policy(self, opts: DecodeOptions, block_size: int) -> int | AdaptiveTreeBudget | None:
-        """Tree verification for these options on this device: a fixed budget, an adaptive policy,
-        or None for the chain.
-
-        ``tree_budget`` None (auto) verifies trees only where their cost is known: on CUDA, or
-        when the measured costs (``runtime.engine.calibrate``) reach tree sizes, and not when a
-        block size or verify length asks for a particular chain, nor on sliding-window targets or
-        attention implementations that take no custom mask (flash attention).
-        """
-        if block_size < 2 or self.drafter is None:
-            return None
-        if opts.tree_budget is not None:
-            return opts.tree_budget or None
-        if opts.block_size is not None or opts.verify_length is not None or _has_sliding_layers(self.target.config):
-            return None
-        if tree_attention_support(self.target) is not None:
-            return None
-        if self.costs is not None and len(self.costs.verify) > block_size:
-            cost, draft_cost = list(self.costs.verify), self.costs.draft
-        elif self.device.type == "cuda":
-            cost, draft_cost = DEFAULT_TREE_COST["cuda"], 0.1
-        else:
-            return None
-        recorded = self.drafter.config.raw.get("dflash_config", {})
-        stats = recorded.get("acceptance_conditional")
-        prior = [float(x) for x in stats] if stats else None
-        table = recorded.get("rank_coverage")  # [depth][rank], where a drafter records it
-        cut = opts.confidence_cut
-        if cut is None:
-            cut = os.environ.get("DFLASH_CONFIDENCE_CUT", "1").strip().lower() not in ("0", "false", "no", "off")
-        return AdaptiveTreeBudget(
-            block_size - 1,
-            cost,
-            draft_cost=draft_cost,
-            prior=prior,
-            prior_table=table,
-            confidence=cut,
-            calibration=self.cut_calibration,
-        )
-
     def make_decoder(self, opts: DecodeOptions | None = None) -> Decoder:
-        """Build the decoder these options ask for.
-
-        Without a drafter, plain decoding is used unless a block size or verify length asks for
-        speculation.
+        """The decoder these options ask for (``runtime.engine.select.select_decoder``).
 
         Raises:
             ConfigError: a block size > 1 asked for but no drafter is loaded.
         """
-        opts = opts or DecodeOptions()
-        plain = opts.decoder == "ar" or opts.block_size == 1
-        if plain or (self.drafter is None and opts.block_size is None and opts.verify_length is None):
-            # without a drafter, decoding is plain (the CLI says so once on stderr)
-            return AutoregressiveDecoder(self.target, self.tokenizer, stop_token_ids=self.stop_token_ids)
-        if self.drafter is None:
-            raise ConfigError(
-                f"no drafter is loaded for {self.pair.target_name}; name one with --drafter or use --decoder ar"
-            )
-        block = opts.block_size or self.block_size
-        tree = self.tree_policy(opts, block)
-        if tree is not None:
-            return TreeDecoder(
-                self.target,
-                self.drafter,
-                self.tokenizer,
-                block_size=block,
-                tree_budget=tree,
-                stop_token_ids=self.stop_token_ids,
-                lookup=DEFAULT_LOOKUP if opts.lookup is None else opts.lookup,
-            )
-        return DFlashDecoder(
+        return select_decoder(
             self.target,
             self.drafter,
             self.tokenizer,
-            block_size=block,
-            verify=self.verify_policy(opts, block),
+            opts or DecodeOptions(),
+            costs=self.costs,
+            hit_rates=self.hit_rates,
             stop_token_ids=self.stop_token_ids,
+            target_name=self.pair.target_name,
         )
 
     @property

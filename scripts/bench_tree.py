@@ -91,9 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         pts = [n for n in (1, block, 9, 17, 33, 65) if n <= len(c)]
         costs = ", ".join(f"{n}: {c[n - 1]:.2f}" for n in dict.fromkeys(pts))
         print(f"verify cost vs one token: {costs}; drafter {pipe.costs.draft:.2f}", file=sys.stderr)
-    policy = pipe.tree_policy(DecodeOptions(), block)
-    plan = "chain (no tree costs known)" if policy is None else getattr(policy, "plan", policy)
-    print(f"auto plan at start (budget, chain drafts): {plan}", file=sys.stderr)
+    planner = pipe.make_decoder(DecodeOptions()).planner
+    print(f"auto plan at start: {planner.plan()}", file=sys.stderr)
 
     methods: list[tuple[str, Any]] = [("ar", DecodeOptions(decoder="ar"))] if args.with_ar else []
     methods += [(name_of(b), DecodeOptions(tree_budget=b)) for b in budgets]

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from runtime.engine.drafter import load_draft_model
-from runtime.engine.lookup import NgramIndex
+from runtime.engine.ngram import NgramIndex
 from runtime.models.embedded import embedded_target_dir
 from runtime.train.api import open_eval_set
 from runtime.train.trainer import TrainConfig, Trainer, build_batch

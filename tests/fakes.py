@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from runtime.config import SamplingParams
-from runtime.engine import CancelToken, DFlashDecoder
+from runtime.engine import CancelToken, chain_decoder, tree_decoder
 from runtime.engine.acceptance import AcceptanceCounter
 from runtime.engine.drafter import DFlashDraftModel, DraftModelConfig, save_draft_model
 from runtime.engine.events import (
@@ -26,7 +26,7 @@ from runtime.engine.events import (
     TokenEvent,
     TokenStatus,
 )
-from runtime.engine.tree_decoder import TreeDecoder
+from runtime.engine.propose import DrafterProposer
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -215,21 +215,32 @@ def lean_greedy_reference(lean: Any, prompt: Sequence[int], n: int) -> list[int]
     return ids[len(prompt) :]
 
 
-class OracleDecoder(DFlashDecoder):
+class OracleProposer(DrafterProposer):
     """Proposes the target's own greedy continuation: every draft is accepted.
 
     ``corrupt`` (0..1) replaces each draft with a wrong token with that probability, to exercise
-    every acceptance length; ``adversarial`` proposes only wrong tokens (tau == 1).
+    every acceptance length; ``adversarial`` proposes only wrong tokens (tau == 1). For trees
+    (``candidates``), ``corrupt`` demotes the true token to rank ``demote`` at a slot with that
+    probability (a tree with enough budget still finds it; a chain would not), and ``adversarial``
+    gives it probability 0 at every slot.
     """
 
-    def __init__(self, *args: Any, corrupt: float = 0.0, adversarial: bool = False, seed: int = 0, **kw: Any) -> None:
-        super().__init__(*args, **kw)
-        self.corrupt = corrupt
-        self.adversarial = adversarial
+    def __init__(
+        self,
+        target: Any,
+        drafter: Any,
+        block_size: int,
+        corrupt: float = 0.0,
+        demote: int = 1,
+        adversarial: bool = False,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(target, drafter, block_size)
+        self.corrupt, self.demote, self.adversarial = corrupt, demote, adversarial
         self.gen = torch.Generator().manual_seed(seed)
 
-    def propose(self, anchor, start, k, pending, d_cache, committed):  # type: ignore[no-untyped-def]
-        truth = greedy_reference(self.target.model, list(committed), k)
+    def chain(self, ctx, depth):  # type: ignore[no-untyped-def]
+        truth = greedy_reference(self.target.model, list(ctx.committed), depth)
         out = []
         vocab = self.target.vocab_size
         for t in truth:
@@ -237,24 +248,8 @@ class OracleDecoder(DFlashDecoder):
             out.append((t + 1) % vocab if wrong else t)
         return torch.tensor(out, dtype=torch.long, device=self.target.device)
 
-
-class TreeOracleDecoder(TreeDecoder):
-    """Tree decoder whose per-slot draft distributions put the target's greedy token first.
-
-    ``corrupt`` (0..1) demotes the true token to rank ``demote`` at a slot with that probability
-    (a tree with enough budget still finds it; a chain would not); ``adversarial`` gives the true
-    token probability 0 at every slot (tau == 1).
-    """
-
-    def __init__(
-        self, *args: Any, corrupt: float = 0.0, demote: int = 1, adversarial: bool = False, seed: int = 0, **kw: Any
-    ) -> None:
-        super().__init__(*args, **kw)
-        self.corrupt, self.demote, self.adversarial = corrupt, demote, adversarial
-        self.gen = torch.Generator().manual_seed(seed)
-
-    def draft_logprobs(self, anchor, start, depth, pending, d_cache, committed):  # type: ignore[no-untyped-def]
-        truth = greedy_reference(self.target.model, list(committed), depth)
+    def logprobs(self, ctx, depth):  # type: ignore[no-untyped-def]
+        truth = greedy_reference(self.target.model, list(ctx.committed), depth)
         vocab = self.target.vocab_size
         scores = torch.full((depth, vocab), -20.0)
         for d, t in enumerate(truth):
@@ -270,6 +265,35 @@ class TreeOracleDecoder(TreeDecoder):
         return torch.log_softmax(scores, dim=-1).to(self.target.device), None, None
 
 
+def _oracle(target: Any, drafter: Any, block_size: int | None, kw: dict[str, Any]) -> OracleProposer:
+    block = block_size or drafter.dflash.block_size
+    keys = ("corrupt", "demote", "adversarial", "seed")
+    return OracleProposer(target, drafter, block, **{k: kw.pop(k) for k in keys if k in kw})
+
+
+def OracleDecoder(target: Any, drafter: Any, block_size: int | None = None, **kw: Any) -> Any:  # noqa: N802
+    """A chain decoder whose drafts come from ``OracleProposer`` (arguments: ``chain_decoder``'s and
+    the oracle's)."""
+    proposer = _oracle(target, drafter, block_size, kw)
+    return chain_decoder(target, drafter, block_size=block_size, proposer=proposer, **kw)
+
+
+def TreeOracleDecoder(target: Any, drafter: Any, block_size: int | None = None, **kw: Any) -> Any:  # noqa: N802
+    """A tree decoder whose per-slot distributions come from ``OracleProposer``."""
+    proposer = _oracle(target, drafter, block_size, kw)
+    return tree_decoder(target, drafter, block_size=block_size, proposer=proposer, **kw)
+
+
+def best_first_tree(
+    logprobs: torch.Tensor, anchor: int, budget: int, vocab_ids: torch.Tensor | None = None, width: int = 0
+) -> Any:
+    """The decoder's best-first tree of ``budget`` nodes from [D, V] per-slot log-probabilities."""
+    from runtime.engine.tree import slot_candidates, tree_from_candidates
+
+    vals, toks = slot_candidates(logprobs, max(budget, width), vocab_ids)
+    return tree_from_candidates(vals, toks, anchor, budget)
+
+
 def collect_ids(events: Sequence[DecodeEvent]) -> list[int]:
     """Committed ids of an event list, in order."""
     return [t.token_id for e in events if not isinstance(e, Finished) for t in e.tokens]
@@ -280,11 +304,11 @@ def greedy_pair(
 ) -> tuple[list[int], list[int]]:
     """Greedy ids of plain decoding and of DFlash (``dflash_kw``: e.g. ``block_size``) on ``target``,
     for tests that hold both to one reference."""
-    from runtime.engine import AutoregressiveDecoder
+    from runtime.engine import plain_decoder
 
     params = SamplingParams(max_new_tokens=n)
-    plain = collect_ids(list(AutoregressiveDecoder(target).stream(prompt, params)))
-    return plain, collect_ids(list(DFlashDecoder(target, drafter, **dflash_kw).stream(prompt, params)))
+    plain = collect_ids(list(plain_decoder(target).stream(prompt, params)))
+    return plain, collect_ids(list(chain_decoder(target, drafter, **dflash_kw).stream(prompt, params)))
 
 
 def make_stats(**kw: Any) -> GenerationStats:

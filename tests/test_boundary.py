@@ -132,7 +132,7 @@ def test_layers_import_only_downwards():
 
 def test_layering_check_catches_a_violation():
     """The checker flags what it should (so an empty result above means something)."""
-    assert layer("runtime.engine.dflash") == "engine" and layer("runtime.models.hub") == "features"
+    assert layer("runtime.engine.decode") == "engine" and layer("runtime.models.hub") == "features"
     assert "features" not in ALLOWED["engine"] and "cli" not in ALLOWED["features"]
     assert "tui" not in ALLOWED["features"] and "cli" not in ALLOWED["tui"]
     assert "runtime.pipeline" in imports_of(ROOT / "runtime" / "session.py")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from runtime.config import SamplingParams
-from runtime.engine import AutoregressiveDecoder
+from runtime.engine import plain_decoder
 from runtime.engine.lean_target import LeanTarget
 from tests.fakes import collect_ids, greedy_pair, greedy_reference, make_drafter, make_target
 
@@ -73,4 +73,4 @@ def test_compiled_lean_greedy_equals_transformers(arch):
     lean.compile()
     params = SamplingParams(max_new_tokens=12)
     p = [3, 14, 15, 92, 65]
-    assert collect_ids(list(AutoregressiveDecoder(lean).stream(p, params))) == greedy_reference(model, p, 12)
+    assert collect_ids(list(plain_decoder(lean).stream(p, params))) == greedy_reference(model, p, 12)

@@ -11,12 +11,14 @@ from typer.testing import CliRunner
 from dflash_cli.app import app
 from runtime import DecodeOptions, LoadOptions, ModelRef, RuntimeConfig, load_pipeline
 from runtime.config import SamplingParams
+from runtime.engine import tree_decoder
 from runtime.engine.calibrate import VerifyCosts
+from runtime.engine.confidence import ConfidenceCut
 from runtime.engine.events import BlockVerified
+from runtime.engine.plan import AdaptivePlanner
+from runtime.engine.step import SlotCandidates
 from runtime.engine.target import TargetModel
 from runtime.engine.tree import tree_from_candidates, truncate_tree
-from runtime.engine.tree_budget import AdaptiveTreeBudget, ConfidenceCut
-from runtime.engine.tree_decoder import TreeDecoder
 from tests.fakes import collect_ids, greedy_reference, make_drafter, make_target
 
 # a CPU float32 verify: each extra token costs 6-20% of a one-token forward
@@ -49,20 +51,21 @@ def test_calibration_learns_an_overconfident_drafter():
     assert cut.tree_size(*sure) == 7
     for _ in range(60):  # the drafter is sure, the target disagrees at the first slot every time
         cut.tree_size(*sure)
-        cut.observe([-1], tokens=1, nodes=8)
+        cut.observe(sure[0], [-1], tokens=1, nodes=8)
     assert cut.accept_prob(math.log(0.95)) < 0.2
     assert cut.tree_size(*sure) == 0
     assert cut.rate < 1.0  # one token per 8-token verify: the measured throughput fell
 
 
 def test_policy_sizes_steps_only_when_asked():
-    on = AdaptiveTreeBudget(7, F32, prior=[0.6], confidence=True)
-    off = AdaptiveTreeBudget(7, F32, prior=[0.6], confidence=False)
-    assert on.budget() == 0 and off.budget() == 0  # costs known only within the block: chains planned
-    assert off.tree_cap() == 0 and off.confidence is None  # without the cut: the planned chain
-    assert on.tree_cap() == 7  # with it: a tree as big as the block is deep, cut per step
+    on = AdaptivePlanner(7, F32, prior=[0.6], cut=True)
+    off = AdaptivePlanner(7, F32, prior=[0.6], cut=False)
+    assert on.choice[0] == 0 and off.choice[0] == 0  # costs known only within the block: chains planned
+    assert off.tree_cap() == 0 and off.cut is None and not off.plan().tree  # without the cut: the planned chain
+    assert on.tree_cap() == 7 and on.plan().tree  # with it: a tree as big as the block is deep, cut per step
     vals, tree = chain_of([0.99] * 7)
-    assert on.tree_size_for(vals, tree) == 7 and off.tree_size_for(vals, tree) == 7
+    cands = SlotCandidates(vals, [[10 + d, 50 + d] for d in range(7)])
+    assert on.keep(cands, tree) == 7 and off.keep(cands, tree) == 7
 
 
 def test_decoding_with_the_cut_is_exact_and_varies_the_length():
@@ -70,34 +73,39 @@ def test_decoding_with_the_cut_is_exact_and_varies_the_length():
     target = TargetModel(model)
     drafter = make_drafter(model.config, block_size=6)
     for prompt in ([1, 2, 3], [40, 41], [7] * 9):
-        pol = AdaptiveTreeBudget(5, F32[:6], draft_cost=0.1, prior=[0.5])
-        events = list(TreeDecoder(target, drafter, tree_budget=pol).stream(prompt, SamplingParams(max_new_tokens=40)))
+        pol = AdaptivePlanner(5, F32[:6], draft_cost=0.1, prior=[0.5])
+        events = list(tree_decoder(target, drafter, tree_budget=pol).stream(prompt, SamplingParams(max_new_tokens=40)))
         assert collect_ids(events) == greedy_reference(model, prompt, 40)
         sizes = {len(e.draft) - e.copied for e in events if isinstance(e, BlockVerified)}
         assert sizes <= set(range(6))
 
 
-def test_option_and_environment_turn_it_off(tiny_pair, monkeypatch):
+def test_option_turns_it_off_and_requests_share_the_calibration(tiny_pair, monkeypatch):
     t, d = tiny_pair
     pipe = load_pipeline(
         ModelRef(target=str(t), drafter=str(d)), RuntimeConfig(device="cpu", dtype="float32"), LoadOptions()
     )
     pipe.costs = VerifyCosts(tuple(F32 + [2.0] * 60), 0.1, 0.001)  # measured costs up to tree sizes
-    b = pipe.block_size
 
-    def has_cut(opts: DecodeOptions) -> bool:
-        pol = pipe.tree_policy(opts, b)
-        assert isinstance(pol, AdaptiveTreeBudget)
-        return pol.confidence is not None
+    def cut(opts: DecodeOptions) -> ConfidenceCut | None:
+        planner = pipe.make_decoder(opts).planner
+        assert isinstance(planner, AdaptivePlanner)
+        return planner.cut
+
+    monkeypatch.setenv("DFLASH_CONFIDENCE_CUT", "0")  # the runtime reads no environment: the CLI does
+    assert cut(DecodeOptions()) is not None and cut(DecodeOptions(confidence_cut=False)) is None
+    first, second = cut(DecodeOptions()), cut(DecodeOptions())
+    assert first is not None and second is not None  # later requests start from what earlier ones learned
+    assert first.calibration is second.calibration is pipe.hit_rates
+
+
+def test_environment_sets_the_cli_default(monkeypatch):
+    from dflash_cli.common import confidence_cut
 
     monkeypatch.delenv("DFLASH_CONFIDENCE_CUT", raising=False)
-    assert has_cut(DecodeOptions()) and not has_cut(DecodeOptions(confidence_cut=False))
-    first, second = pipe.tree_policy(DecodeOptions(), b), pipe.tree_policy(DecodeOptions(), b)
-    assert isinstance(first, AdaptiveTreeBudget) and isinstance(second, AdaptiveTreeBudget)
-    assert first.confidence and second.confidence  # later requests start from what earlier ones learned
-    assert first.confidence.calibration is second.confidence.calibration is pipe.cut_calibration
+    assert confidence_cut(None) is True and confidence_cut(False) is False
     monkeypatch.setenv("DFLASH_CONFIDENCE_CUT", "0")
-    assert not has_cut(DecodeOptions()) and has_cut(DecodeOptions(confidence_cut=True))
+    assert confidence_cut(None) is False and confidence_cut(True) is True
 
 
 def test_tree_steps_keep_the_best_first_prefix_worth_its_cost():
@@ -117,7 +125,7 @@ def test_tree_steps_keep_the_best_first_prefix_worth_its_cost():
     before = cut.other_prob(math.log(0.15))
     for _ in range(40):
         cut.tree_size(unsure, tree)
-        cut.observe([1, 1], tokens=3, nodes=6)
+        cut.observe(unsure, [1, 1], tokens=3, nodes=6)
     assert cut.other_prob(math.log(0.15)) > before + 0.3
 
 

@@ -16,14 +16,13 @@ from typer.testing import CliRunner
 
 from dflash_cli.app import app
 from runtime.config import SamplingParams
-from runtime.engine import DFlashDecoder
-from runtime.engine import dflash as dflash_module
+from runtime.engine import chain_decoder, tree_decoder
+from runtime.engine import propose as propose_module
 from runtime.engine.corpus import CORPUS_FILE, CorpusCounts, CorpusTable, corpus_chain
 from runtime.engine.drafter import add_copy_corpus, add_copy_inputs, load_draft_model, save_draft_model
 from runtime.engine.events import BlockVerified
-from runtime.engine.lookup import NgramIndex, block_copies
+from runtime.engine.ngram import NgramIndex, block_copies
 from runtime.engine.target import TargetModel
-from runtime.engine.tree_decoder import TreeDecoder
 from runtime.errors import ConfigError, ModelLoadError
 from runtime.train.trainer import CorpusSource, build_batch
 from tests.fakes import collect_ids, greedy_reference, make_drafter, make_target, pair_with_data
@@ -162,7 +161,7 @@ def test_corpus_proposals_change_drafts_never_the_output(pair, decoder):
             m.copy_bias.fill_(1e4)
 
     def make(m):
-        return TreeDecoder(target, m, block_size=4) if decoder == "tree" else DFlashDecoder(target, m, block_size=4)
+        return tree_decoder(target, m, block_size=4) if decoder == "tree" else chain_decoder(target, m, block_size=4)
 
     changed = 0
     for p, ref in answers + [(p, greedy_reference(model, p, 24)) for p in _prompts(4, seed=8)]:
@@ -179,13 +178,13 @@ def test_decoder_and_trainer_build_the_same_corpus_copies(pair, monkeypatch):
     assert d.corpus is not None
     seen = []
 
-    def recording(index, b, fill, *corpus):
-        out = block_copies(index, b, fill, *corpus)
+    def recording(index, b, fill, *corpus, **kw):
+        out = block_copies(index, b, fill, *corpus, **kw)
         seen.append((list(index.tokens), out))
         return out
 
-    monkeypatch.setattr(dflash_module, "block_copies", recording)
-    dec = DFlashDecoder(target, d, block_size=4)
+    monkeypatch.setattr(propose_module, "block_copies", recording)
+    dec = chain_decoder(target, d, block_size=4)
     for p, _ in answers:
         _drafts(dec, p)
     assert any(r > 4 for _, (_, rows) in seen for r in rows), "no corpus proposal was shown"

@@ -15,13 +15,12 @@ from typer.testing import CliRunner
 
 from dflash_cli.app import app
 from runtime.config import SamplingParams
-from runtime.engine import DFlashDecoder
-from runtime.engine import dflash as dflash_module
+from runtime.engine import chain_decoder, tree_decoder
+from runtime.engine import propose as propose_module
 from runtime.engine.drafter import add_copy_inputs, load_draft_model, save_draft_model
 from runtime.engine.events import BlockVerified
-from runtime.engine.lookup import NgramIndex, block_copies
+from runtime.engine.ngram import NgramIndex, block_copies
 from runtime.engine.target import TargetModel
-from runtime.engine.tree_decoder import TreeDecoder
 from runtime.errors import ConfigError, ModelLoadError
 from runtime.train.trainer import build_batch
 from tests.fakes import collect_ids, greedy_reference, make_drafter, make_target
@@ -55,8 +54,8 @@ def test_zero_initialised_copy_inputs_draft_exactly_as_before(pair):
     copy = add_copy_inputs(make_drafter(model.config, block_size=4, taps=[0, 2, 3]), (1, 4))
     assert copy.copy_scale is not None and not copy.copy_scale.any()
     for p in _prompts(6):
-        want = _drafts(DFlashDecoder(target, plain, block_size=4), p)
-        assert _drafts(DFlashDecoder(target, copy, block_size=4), p) == want
+        want = _drafts(chain_decoder(target, plain, block_size=4), p)
+        assert _drafts(chain_decoder(target, copy, block_size=4), p) == want
 
 
 @pytest.mark.parametrize("decoder", ["dflash", "tree"])
@@ -68,7 +67,7 @@ def test_trained_copy_inputs_change_drafts_never_the_output(pair, decoder):
         copy.copy_scale.copy_(torch.randn_like(copy.copy_scale) * 50)
 
     def make(d):
-        return TreeDecoder(target, d, block_size=4) if decoder == "tree" else DFlashDecoder(target, d, block_size=4)
+        return tree_decoder(target, d, block_size=4) if decoder == "tree" else chain_decoder(target, d, block_size=4)
 
     changed = 0
     for p in _prompts(8, seed=1):
@@ -95,13 +94,13 @@ def test_a_strong_pointer_drafts_the_lookups_proposal_even_outside_the_draft_voc
     model, target = pair
     seen = []
 
-    def recording(index, b, fill):
-        out = block_copies(index, b, fill)
+    def recording(index, b, fill, **kw):
+        out = block_copies(index, b, fill, **kw)
         seen.append(out)
         return out
 
-    monkeypatch.setattr(dflash_module, "block_copies", recording)
-    dec = DFlashDecoder(target, _pointer_drafter(model, 1e4), block_size=4)
+    monkeypatch.setattr(propose_module, "block_copies", recording)
+    dec = chain_decoder(target, _pointer_drafter(model, 1e4), block_size=4)
     outside = matched_steps = 0
     for p in _prompts(6, seed=4):
         seen.clear()
@@ -125,7 +124,7 @@ def test_the_pointer_never_changes_the_output(pair, decoder, bias):
     d = _pointer_drafter(model, bias)
 
     def make():
-        return TreeDecoder(target, d, block_size=4) if decoder == "tree" else DFlashDecoder(target, d, block_size=4)
+        return tree_decoder(target, d, block_size=4) if decoder == "tree" else chain_decoder(target, d, block_size=4)
 
     for p in _prompts(6, seed=5):
         assert _drafts(make(), p)[0] == greedy_reference(model, p, 24), p
@@ -173,13 +172,13 @@ def test_decoder_copies_are_the_lookup_over_everything_committed(pair, monkeypat
     copy = add_copy_inputs(make_drafter(model.config, block_size=4, taps=[0, 2, 3]), (1, 4))
     seen = []
 
-    def recording(index, b, fill):
-        out = block_copies(index, b, fill)
+    def recording(index, b, fill, **kw):
+        out = block_copies(index, b, fill, **kw)
         seen.append((list(index.tokens), out))
         return out
 
-    monkeypatch.setattr(dflash_module, "block_copies", recording)
-    dec = DFlashDecoder(target, copy, block_size=4)
+    monkeypatch.setattr(propose_module, "block_copies", recording)
+    dec = chain_decoder(target, copy, block_size=4)
     for p in _prompts(4, seed=2):
         seen.clear()
         ids, _ = _drafts(dec, p)
@@ -189,7 +188,7 @@ def test_decoder_copies_are_the_lookup_over_everything_committed(pair, monkeypat
             assert tokens == full[: len(tokens)] and len(tokens) > len(p)  # prompt + committed
             fresh = NgramIndex(1, 4)
             fresh.extend(tokens)
-            assert out == block_copies(fresh, 4, dec.mask_id)
+            assert out == block_copies(fresh, 4, copy.dflash.mask_token_id)
         assert any(m for _, (_, matched) in seen for m in matched)
 
 

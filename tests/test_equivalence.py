@@ -8,9 +8,8 @@ import random
 import pytest
 
 from runtime.config import SamplingParams
-from runtime.engine import AutoregressiveDecoder, DFlashDecoder
+from runtime.engine import chain_decoder, plain_decoder
 from runtime.engine.target import TargetModel
-from runtime.engine.verify_length import FixedVerifyLength
 from tests.fakes import OracleDecoder, collect_ids, greedy_reference, make_drafter, make_target
 
 
@@ -32,8 +31,8 @@ def test_dflash_greedy_equals_plain_greedy(arch, block):
         # the reference is cache-free greedy decoding (one full forward per token), not the loop itself:
         # plain decoding is the same loop with a block of one, so comparing the two alone proves little
         ref = greedy_reference(model, p, 24)
-        plain = collect_ids(list(AutoregressiveDecoder(target).stream(p, params)))
-        spec = collect_ids(list(DFlashDecoder(target, drafter, block_size=block).stream(p, params)))
+        plain = collect_ids(list(plain_decoder(target).stream(p, params)))
+        spec = collect_ids(list(chain_decoder(target, drafter, block_size=block).stream(p, params)))
         assert plain == ref, (arch, block, p)
         assert spec == ref, (arch, block, p)
 
@@ -85,7 +84,7 @@ def test_max_tokens_exact(n):
     model = make_target("qwen3", vocab_size=96)
     target = TargetModel(model)
     drafter = make_drafter(model.config, block_size=8)
-    for dec in (OracleDecoder(target, drafter), DFlashDecoder(target, drafter), AutoregressiveDecoder(target)):
+    for dec in (OracleDecoder(target, drafter), chain_decoder(target, drafter), plain_decoder(target)):
         events = list(dec.stream([1, 2], SamplingParams(max_new_tokens=n)))
         assert len(collect_ids(events)) == n
         assert events[-1].reason == "length" and events[-1].stats.generated_tokens == n
@@ -103,8 +102,8 @@ def test_stop_token_ends_generation_even_when_it_is_the_mask_id():
     cut = ref2.index(stop) + 1
     for dec in (
         OracleDecoder(target, drafter, stop_token_ids=[stop]),
-        DFlashDecoder(target, drafter, stop_token_ids=[stop]),
-        AutoregressiveDecoder(target, stop_token_ids=[stop]),
+        chain_decoder(target, drafter, stop_token_ids=[stop]),
+        plain_decoder(target, stop_token_ids=[stop]),
     ):
         events = list(dec.stream(p + [stop], SamplingParams(max_new_tokens=40)))  # the stop id in the prompt too
         assert collect_ids(events) == ref2[:cut]
@@ -119,10 +118,10 @@ def test_stop_id_via_params_and_ignore_eos():
     ref = greedy_reference(model, p, 30)
     stop = ref[5]
     cut = ref.index(stop) + 1
-    ev = list(DFlashDecoder(target, drafter).stream(p, SamplingParams(max_new_tokens=30, stop_token_ids=(stop,))))
+    ev = list(chain_decoder(target, drafter).stream(p, SamplingParams(max_new_tokens=30, stop_token_ids=(stop,))))
     assert collect_ids(ev) == ref[:cut]
     ev = list(
-        DFlashDecoder(target, drafter, stop_token_ids=[stop]).stream(
+        chain_decoder(target, drafter, stop_token_ids=[stop]).stream(
             p, SamplingParams(max_new_tokens=30, ignore_eos=True)
         )
     )
@@ -137,7 +136,7 @@ def test_verify_length_shorter_than_block_is_still_exact():
     ref = greedy_reference(model, p, 25)
     for k in (0, 1, 3, 7):
         ev = list(
-            OracleDecoder(target, drafter, verify=FixedVerifyLength(k)).stream(p, SamplingParams(max_new_tokens=25))
+            OracleDecoder(target, drafter, verify=k).stream(p, SamplingParams(max_new_tokens=25))
         )
         assert collect_ids(ev) == ref
         assert all(len(e.draft) <= k for e in ev if e.type == "block")
@@ -157,14 +156,14 @@ def test_sliding_window_drafter_and_top_level_config_keys():
     assert drafter.layers[0].self_attn.sliding_window == 4 and drafter.layers[1].self_attn.sliding_window is None
     p = list(range(1, 12))
     params = SamplingParams(max_new_tokens=20)
-    assert collect_ids(list(DFlashDecoder(target, drafter).stream(p, params))) == greedy_reference(model, p, 20)
+    assert collect_ids(list(chain_decoder(target, drafter).stream(p, params))) == greedy_reference(model, p, 20)
 
 
 def test_context_limit_stops_with_length():
     model = make_target("qwen3", vocab_size=96, max_position_embeddings=24)
     target = TargetModel(model)
     drafter = make_drafter(model.config, block_size=4)
-    ev = list(DFlashDecoder(target, drafter).stream(list(range(1, 20)), SamplingParams(max_new_tokens=50)))
+    ev = list(chain_decoder(target, drafter).stream(list(range(1, 20)), SamplingParams(max_new_tokens=50)))
     assert len(collect_ids(ev)) == 24 - 19 and ev[-1].reason == "length"
 
 
@@ -187,11 +186,11 @@ def test_torch_generator_seeded_sampling_is_reproducible():
     target = TargetModel(model)
     drafter = make_drafter(model.config, block_size=4)
     params = SamplingParams(max_new_tokens=20, temperature=1.0, seed=123)
-    a = collect_ids(list(DFlashDecoder(target, drafter).stream([1, 2, 3], params)))
-    b = collect_ids(list(DFlashDecoder(target, drafter).stream([1, 2, 3], params)))
+    a = collect_ids(list(chain_decoder(target, drafter).stream([1, 2, 3], params)))
+    b = collect_ids(list(chain_decoder(target, drafter).stream([1, 2, 3], params)))
     c = collect_ids(
         list(
-            DFlashDecoder(target, drafter).stream(
+            chain_decoder(target, drafter).stream(
                 [1, 2, 3], SamplingParams(max_new_tokens=20, temperature=1.0, seed=124)
             )
         )

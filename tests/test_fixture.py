@@ -9,7 +9,7 @@ import torch
 from typer.testing import CliRunner
 
 from runtime.config import SamplingParams
-from runtime.engine import AutoregressiveDecoder, DFlashDecoder
+from runtime.engine import chain_decoder, plain_decoder
 from runtime.engine.drafter import load_draft_model
 from runtime.engine.target import TargetModel
 from runtime.pipeline import load_target_model
@@ -37,9 +37,9 @@ def test_config_parsed_as_published(models, golden):
 def test_output_ids_match_reference(models, golden):
     target, drafter = models
     prompt, n = golden["prompt_ids"], golden["max_new_tokens"]
-    events = list(DFlashDecoder(target, drafter).stream(prompt, SamplingParams(max_new_tokens=n)))
+    events = list(chain_decoder(target, drafter).stream(prompt, SamplingParams(max_new_tokens=n)))
     assert prompt + collect_ids(events) == golden["dflash_output_ids"]
-    plain = list(AutoregressiveDecoder(target).stream(prompt, SamplingParams(max_new_tokens=n)))
+    plain = list(plain_decoder(target).stream(prompt, SamplingParams(max_new_tokens=n)))
     assert prompt + collect_ids(plain) == golden["greedy_output_ids"]
 
 
@@ -49,7 +49,7 @@ def test_draft_blocks_match_reference(models, golden):
     # every block the reference drafted.
     target, drafter = models
     prompt, n = golden["prompt_ids"], golden["max_new_tokens"]
-    events = list(DFlashDecoder(target, drafter).stream(prompt, SamplingParams(max_new_tokens=n + 8)))
+    events = list(chain_decoder(target, drafter).stream(prompt, SamplingParams(max_new_tokens=n + 8)))
     drafts = [list(e.draft) for e in events if e.type == "block"]
     assert drafts[: len(golden["draft_blocks"])] == golden["draft_blocks"]
 

@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from runtime.config import DecodeOptions, SamplingParams
-from runtime.engine import AutoregressiveDecoder
+from runtime.engine import plain_decoder, tree_decoder
 from runtime.engine.events import BlockVerified, event_from_json, event_to_json
-from runtime.engine.lookup import LookupLength, NgramIndex, chain_is_path, merge_chain
+from runtime.engine.lookup import LookupLength, merge_chain
+from runtime.engine.ngram import NgramIndex
 from runtime.engine.target import TargetModel
-from runtime.engine.tree import DraftTree, ancestor_mask, build_tree, chain_tree
-from runtime.engine.tree_decoder import TreeDecoder
+from runtime.engine.tree import DraftTree, ancestor_mask, chain_is_path, chain_tree
 from runtime.errors import ConfigError
-from tests.fakes import collect_ids, greedy_reference, make_drafter, make_target
+from tests.fakes import best_first_tree, collect_ids, greedy_reference, make_drafter, make_target
 
 
 # -- the index -------------------------------------------------------------------------------
@@ -79,7 +79,7 @@ def test_index_agrees_with_a_brute_force_search():
 # -- merging into a tree ---------------------------------------------------------------------
 def test_merge_shares_the_drafters_nodes_and_appends_the_rest():
     logprobs = torch.tensor([[0.3, 0.05, 0.6, 0.05], [0.02, 0.9, 0.03, 0.05]]).log()
-    tree = build_tree(logprobs, anchor=7, budget=4)  # 7 -> 2 -> 1, 7 -> 0 -> 1
+    tree = best_first_tree(logprobs, anchor=7, budget=4)  # 7 -> 2 -> 1, 7 -> 0 -> 1
     merged, nodes = merge_chain(tree, [2, 1, 3, 3], max_new=8)
     assert merged.tokens[: len(tree)] == tree.tokens and merged.parents[: len(tree)] == tree.parents
     assert nodes == [1, 2, 5, 6]  # 2 and 1 shared, then two new nodes
@@ -97,7 +97,7 @@ def test_merge_shares_the_drafters_nodes_and_appends_the_rest():
 def test_chain_is_path():
     assert chain_is_path(chain_tree(1, [2, 3, 4]))
     assert chain_is_path(DraftTree((1,), (-1,), (0,), (-1,)))
-    tree = build_tree(torch.log_softmax(torch.randn(3, 6), -1), 1, budget=6)
+    tree = best_first_tree(torch.log_softmax(torch.randn(3, 6), -1), 1, budget=6)
     assert not chain_is_path(tree)
     assert chain_is_path(merge_chain(chain_tree(1, [2, 3]), [2, 3, 9], 4)[0])
 
@@ -140,8 +140,8 @@ def test_lookup_output_equals_plain_greedy_and_raises_tau_on_repeats(arch, seed,
     p = [5, 6, 7, 8]
     ref = greedy_reference(model, p, 60)
     params = SamplingParams(max_new_tokens=60)
-    off = list(TreeDecoder(target, drafter, tree_budget=budget, lookup=0).stream(p, params))
-    on = list(TreeDecoder(target, drafter, tree_budget=budget, lookup=16).stream(p, params))
+    off = list(tree_decoder(target, drafter, tree_budget=budget, lookup=0).stream(p, params))
+    on = list(tree_decoder(target, drafter, tree_budget=budget, lookup=16).stream(p, params))
     assert collect_ids(off) == ref and collect_ids(on) == ref
     assert on[-1].stats.tau > off[-1].stats.tau + 0.7, (on[-1].stats.tau, off[-1].stats.tau)
     # copied nodes go deeper than the drafter's block; events still name every node and the path
@@ -173,9 +173,9 @@ def test_lookup_on_ordinary_models_equals_plain_greedy(arch, budget, lookup):
     params = SamplingParams(max_new_tokens=40)
     for p in random_prompts(8, 24, seed=lookup):
         p = p + p  # the prompt repeats itself: lookups fire from the first step
-        plain = collect_ids(list(AutoregressiveDecoder(target).stream(p, params)))
+        plain = collect_ids(list(plain_decoder(target).stream(p, params)))
         assert (
-            collect_ids(list(TreeDecoder(target, drafter, tree_budget=budget, lookup=lookup).stream(p, params)))
+            collect_ids(list(tree_decoder(target, drafter, tree_budget=budget, lookup=lookup).stream(p, params)))
             == plain
         )
 
@@ -186,7 +186,7 @@ def test_lookup_keeps_max_tokens_and_the_context_limit(n):
     target = TargetModel(model)
     drafter = make_drafter(model.config, block_size=4)
     events = list(
-        TreeDecoder(target, drafter, tree_budget=4, lookup=16).stream([5, 6, 7, 8], SamplingParams(max_new_tokens=n))
+        tree_decoder(target, drafter, tree_budget=4, lookup=16).stream([5, 6, 7, 8], SamplingParams(max_new_tokens=n))
     )
     assert len(collect_ids(events)) == n and events[-1].reason == "length"
     small = make_target("qwen3", vocab_size=96, max_position_embeddings=40)
@@ -195,7 +195,7 @@ def test_lookup_keeps_max_tokens_and_the_context_limit(n):
             layer.self_attn.o_proj.weight.zero_()
     t2 = TargetModel(small)
     ev = list(
-        TreeDecoder(t2, make_drafter(small.config, block_size=4), tree_budget=4, lookup=32).stream(
+        tree_decoder(t2, make_drafter(small.config, block_size=4), tree_budget=4, lookup=32).stream(
             [5, 6, 7, 8] * 3, SamplingParams(max_new_tokens=50)
         )
     )
@@ -207,15 +207,15 @@ def test_lookup_with_sampling_is_seeded():
     target = TargetModel(model)
     drafter = make_drafter(model.config, block_size=4)
     params = SamplingParams(max_new_tokens=30, temperature=0.7, seed=5)
-    a = collect_ids(list(TreeDecoder(target, drafter, tree_budget=4, lookup=16).stream([1, 2, 3], params)))
-    b = collect_ids(list(TreeDecoder(target, drafter, tree_budget=4, lookup=16).stream([1, 2, 3], params)))
+    a = collect_ids(list(tree_decoder(target, drafter, tree_budget=4, lookup=16).stream([1, 2, 3], params)))
+    b = collect_ids(list(tree_decoder(target, drafter, tree_budget=4, lookup=16).stream([1, 2, 3], params)))
     assert a == b and len(a) == 30
 
 
 def test_bad_lookup_lengths_are_config_errors():
     model = make_target("qwen3", vocab_size=96)
     with pytest.raises(ConfigError, match="lookup"):
-        TreeDecoder(TargetModel(model), make_drafter(model.config, block_size=4), tree_budget=4, lookup=-1)
+        tree_decoder(TargetModel(model), make_drafter(model.config, block_size=4), tree_budget=4, lookup=-1)
     with pytest.raises(ConfigError, match="lookup"):
         DecodeOptions(lookup=-3)
     with pytest.raises(ConfigError, match="lookup"):

@@ -10,10 +10,9 @@ import pytest
 import torch
 
 from runtime.config import SamplingParams
-from runtime.engine import AutoregressiveDecoder
+from runtime.engine import plain_decoder, tree_decoder
 from runtime.engine.sampling import probabilities
 from runtime.engine.target import TargetModel
-from runtime.engine.tree_decoder import TreeDecoder
 from tests.fakes import OracleDecoder, collect_ids, make_drafter, make_target
 
 V, N_NEW, RUNS = 5, 3, 1500
@@ -77,7 +76,7 @@ def test_dflash_sampling_matches_target_distribution(params):
         accepted += ev[-1].stats.accepted_tokens
         key = tuple(collect_ids(ev))
         spec[key] = spec.get(key, 0) + 1
-        key = tuple(collect_ids(list(AutoregressiveDecoder(target).stream(PROMPT, p))))
+        key = tuple(collect_ids(list(plain_decoder(target).stream(PROMPT, p))))
         plain[key] = plain.get(key, 0) + 1
     assert accepted > RUNS * 0.3, "drafts must be accepted often for the test to mean anything"
     for counts in (spec, plain):
@@ -104,7 +103,7 @@ def test_tree_sampling_matches_target_distribution(params):
     accepted = 0
     for seed in range(RUNS):
         p = SamplingParams(**{**params.__dict__, "seed": seed})
-        ev = list(TreeDecoder(target, drafter, tree_budget=6).stream(PROMPT, p))
+        ev = list(tree_decoder(target, drafter, tree_budget=6).stream(PROMPT, p))
         accepted += ev[-1].stats.accepted_tokens
         key = tuple(collect_ids(ev))
         counts[key] = counts.get(key, 0) + 1

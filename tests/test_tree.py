@@ -10,12 +10,11 @@ import pytest
 import torch
 
 from runtime.config import SamplingParams
-from runtime.engine import AutoregressiveDecoder, DFlashDecoder
+from runtime.engine import chain_decoder, plain_decoder, tree_decoder
 from runtime.engine.events import BlockVerified, TokenEvent, TokenStatus, event_to_json
 from runtime.engine.target import TargetModel
-from runtime.engine.tree import ancestor_mask, build_tree, chain_tree, losing_branches, walk
-from runtime.engine.tree_decoder import TreeDecoder
-from tests.fakes import TreeOracleDecoder, collect_ids, greedy_reference, make_drafter, make_target
+from runtime.engine.tree import ancestor_mask, chain_tree, losing_branches, walk
+from tests.fakes import TreeOracleDecoder, best_first_tree, collect_ids, greedy_reference, make_drafter, make_target
 
 
 def lp(rows: list[list[float]]) -> torch.Tensor:
@@ -27,7 +26,7 @@ def lp(rows: list[list[float]]) -> torch.Tensor:
 def test_build_tree_is_best_first_over_summed_log_probs():
     # slot 1: token 2 (0.6), token 0 (0.3); slot 2: token 1 (0.9), token 3 (0.05)
     logprobs = lp([[0.3, 0.05, 0.6, 0.05], [0.02, 0.9, 0.03, 0.05]])
-    tree = build_tree(logprobs, anchor=7, budget=4)
+    tree = best_first_tree(logprobs, anchor=7, budget=4)
     # root 7; best nodes: 2 (0.6), 2->1 (0.54), 0 (0.3), 0->1 (0.27)
     assert tree.tokens == (7, 2, 1, 0, 1)
     assert tree.parents == (-1, 0, 1, 0, 3)
@@ -35,17 +34,17 @@ def test_build_tree_is_best_first_over_summed_log_probs():
     assert tree.ranks == (-1, 0, 0, 1, 0)
     assert tree.max_depth == 2
     # a budget of 1 is the top-1 child; 2 is the greedy chain
-    assert build_tree(logprobs, 7, 1).tokens == (7, 2)
-    assert build_tree(logprobs, 7, 2).tokens == (7, 2, 1)
-    assert build_tree(logprobs, 7, 0).tokens == (7,)
+    assert best_first_tree(logprobs, 7, 1).tokens == (7, 2)
+    assert best_first_tree(logprobs, 7, 2).tokens == (7, 2, 1)
+    assert best_first_tree(logprobs, 7, 0).tokens == (7,)
     # the budget is capped by the nodes that exist: 4 + 4*4 = 20
-    assert len(build_tree(logprobs, 7, 100)) == 21
+    assert len(best_first_tree(logprobs, 7, 100)) == 21
 
 
 def test_build_tree_scores_never_increase_and_parents_precede_children():
     torch.manual_seed(0)
     logprobs = torch.log_softmax(torch.randn(5, 11) * 2, dim=-1)
-    tree = build_tree(logprobs, anchor=3, budget=40)
+    tree = best_first_tree(logprobs, anchor=3, budget=40)
     assert len(tree) == 41
     scores = [0.0]
     for i in range(1, len(tree)):
@@ -61,7 +60,7 @@ def test_build_tree_scores_never_increase_and_parents_precede_children():
 def test_build_tree_maps_a_reduced_draft_vocabulary_to_full_ids():
     logprobs = lp([[0.7, 0.3], [0.4, 0.6]])
     ids = torch.tensor([100, 205])
-    tree = build_tree(logprobs, anchor=1, budget=3, vocab_ids=ids)
+    tree = best_first_tree(logprobs, anchor=1, budget=3, vocab_ids=ids)
     assert tree.tokens == (1, 100, 205, 205)
     assert tree.parents == (-1, 0, 1, 0)
 
@@ -85,7 +84,7 @@ def test_ancestor_mask():
 
 
 def test_walk_follows_the_targets_choices():
-    tree = build_tree(lp([[0.3, 0.05, 0.6, 0.05], [0.02, 0.9, 0.03, 0.05]]), 7, 4)  # 7 -> {2 -> 1, 0 -> 1}
+    tree = best_first_tree(lp([[0.3, 0.05, 0.6, 0.05], [0.02, 0.9, 0.03, 0.05]]), 7, 4)  # 7 -> {2 -> 1, 0 -> 1}
     #           nodes:   7  2  1  0  1
     assert walk(tree, [0, 9, 9, 1, 4]) == [0, 3, 4]  # target picks 0, then 1: second branch, full depth
     assert walk(tree, [2, 1, 5, 9, 9]) == [0, 1, 2]  # first branch, full depth; bonus choices[2] = 5
@@ -130,7 +129,7 @@ def test_tree_forward_equals_verifying_each_path_alone(arch, attn):
     target = TargetModel(model)
     target.set_taps([1, 2])
     prompt = torch.tensor([[3, 1, 4, 1, 5, 9]])
-    tree = build_tree(torch.log_softmax(torch.randn(3, 64, generator=torch.Generator().manual_seed(2)), -1), 7, 9)
+    tree = best_first_tree(torch.log_softmax(torch.randn(3, 64, generator=torch.Generator().manual_seed(2)), -1), 7, 9)
     cache = target.new_cache()
     target.forward(prompt, cache, logits_to_keep=1)
     start = prompt.shape[1]
@@ -199,8 +198,8 @@ def test_tree_greedy_equals_plain_greedy(arch, block, budget):
     drafter = make_drafter(model.config, block_size=block, taps=[0, 2, 3])
     params = SamplingParams(max_new_tokens=24)
     for p in prompts(12, 96, seed=block + budget):
-        plain = collect_ids(list(AutoregressiveDecoder(target).stream(p, params)))
-        events = list(TreeDecoder(target, drafter, tree_budget=budget).stream(p, params))
+        plain = collect_ids(list(plain_decoder(target).stream(p, params)))
+        events = list(tree_decoder(target, drafter, tree_budget=budget).stream(p, params))
         assert collect_ids(events) == plain, (arch, block, budget, p)
         for e in events:
             if isinstance(e, BlockVerified) and e.draft:
@@ -215,7 +214,7 @@ def test_drafter_with_a_reduced_vocabulary():
     drafter.draft_vocab_ids = torch.arange(0, 96, 2)
     params = SamplingParams(max_new_tokens=20)
     p = [4, 5, 6]
-    events = list(TreeDecoder(target, drafter, tree_budget=6).stream(p, params))
+    events = list(tree_decoder(target, drafter, tree_budget=6).stream(p, params))
     assert collect_ids(events) == greedy_reference(model, p, 20)
     assert all(t % 2 == 0 for e in events if isinstance(e, BlockVerified) for t in e.draft)
 
@@ -270,7 +269,7 @@ def test_max_tokens_exact(n):
     model = make_target("qwen3", vocab_size=96)
     target = TargetModel(model)
     drafter = make_drafter(model.config, block_size=8)
-    for dec in (TreeOracleDecoder(target, drafter, tree_budget=12), TreeDecoder(target, drafter, tree_budget=12)):
+    for dec in (TreeOracleDecoder(target, drafter, tree_budget=12), tree_decoder(target, drafter, tree_budget=12)):
         events = list(dec.stream([1, 2], SamplingParams(max_new_tokens=n)))
         assert len(collect_ids(events)) == n
         assert events[-1].reason == "length" and events[-1].stats.generated_tokens == n
@@ -292,7 +291,7 @@ def test_stop_token_and_context_limit():
     small = make_target("qwen3", vocab_size=96, max_position_embeddings=24)
     t2 = TargetModel(small)
     d2 = make_drafter(small.config, block_size=4)
-    ev = list(TreeDecoder(t2, d2, tree_budget=8).stream(list(range(1, 20)), SamplingParams(max_new_tokens=50)))
+    ev = list(tree_decoder(t2, d2, tree_budget=8).stream(list(range(1, 20)), SamplingParams(max_new_tokens=50)))
     assert len(collect_ids(ev)) == 24 - 19 and ev[-1].reason == "length"
 
 
@@ -301,11 +300,11 @@ def test_sampling_is_seeded_and_chain_decoder_unchanged():
     target = TargetModel(model)
     drafter = make_drafter(model.config, block_size=4)
     params = SamplingParams(max_new_tokens=20, temperature=1.0, seed=123)
-    a = collect_ids(list(TreeDecoder(target, drafter, tree_budget=8).stream([1, 2, 3], params)))
-    b = collect_ids(list(TreeDecoder(target, drafter, tree_budget=8).stream([1, 2, 3], params)))
+    a = collect_ids(list(tree_decoder(target, drafter, tree_budget=8).stream([1, 2, 3], params)))
+    b = collect_ids(list(tree_decoder(target, drafter, tree_budget=8).stream([1, 2, 3], params)))
     assert a == b and len(a) == 20
     greedy = SamplingParams(max_new_tokens=20)
-    assert collect_ids(list(DFlashDecoder(target, drafter).stream([1, 2, 3], greedy))) == greedy_reference(
+    assert collect_ids(list(chain_decoder(target, drafter).stream([1, 2, 3], greedy))) == greedy_reference(
         model, [1, 2, 3], 20
     )
     assert not math.isnan(sum(a))

@@ -12,13 +12,14 @@ from typer.testing import CliRunner
 
 from dflash_cli.app import app
 from runtime import DecodeOptions, LoadOptions, ModelRef, RuntimeConfig, SamplingParams, load_pipeline
-from runtime.engine import AutoregressiveDecoder, DFlashDecoder
+from runtime.engine import tree_decoder
 from runtime.engine.acceptance import AcceptanceCounter
 from runtime.engine.calibrate import VerifyCosts, measure_costs
 from runtime.engine.events import BlockVerified, Finished, PrefillDone, TokenEvent, TokenStatus
+from runtime.engine.plan import AdaptivePlanner, FixedPlanner, best_plan, expected_tokens, prior_coverage
+from runtime.engine.step import StepOutcome
 from runtime.engine.target import TargetModel
-from runtime.engine.tree_budget import AdaptiveTreeBudget, best_plan, expected_tokens, prior_coverage
-from runtime.engine.tree_decoder import TreeDecoder
+from runtime.engine.tree import chain_tree
 from runtime.errors import ConfigError
 from tests.fakes import collect_ids, greedy_reference, make_drafter, make_stats, make_target
 from tests.http_helpers import post
@@ -51,11 +52,12 @@ def test_best_plan_follows_the_verify_costs():
 
 
 def test_adaptive_policy_learns_from_ranks():
-    pol = AdaptiveTreeBudget(3, [1.0] * 65, prior=[0.5], prior_weight=2, every=1)
+    pol = AdaptivePlanner(3, [1.0] * 65, prior=[0.5], prior_weight=2, every=1)
     before = pol.coverage()[0][1]
+    step = StepOutcome(chain_tree(1, [2, 3, 4]), [0], [9, 9, 9, 9], [1, 1, -1], None, 3, 0.0)
     for _ in range(20):
-        pol.observe([1, 1, -1])  # the target keeps picking the drafter's second choice
-    assert pol.coverage()[0][1] > before and pol.budget() > 0
+        pol.observe(step)  # the target keeps picking the drafter's second choice
+    assert pol.coverage()[0][1] > before and pol.choice[0] > 0 and pol.plan().tree
 
 
 def test_adaptive_tree_decoding_switching_plans_stays_exact():
@@ -65,8 +67,8 @@ def test_adaptive_tree_decoding_switching_plans_stays_exact():
     # costs that make the plan move between chains and trees as the coverage estimate changes
     costs = [1.0 + 0.05 * n for n in range(33)]
     for p in ([1, 2, 3], [40, 41], [7] * 9):
-        pol = AdaptiveTreeBudget(5, costs, draft_cost=0.5, prior=[0.2], prior_weight=1, every=1)
-        events = list(TreeDecoder(target, drafter, tree_budget=pol).stream(p, SamplingParams(max_new_tokens=30)))
+        pol = AdaptivePlanner(5, costs, draft_cost=0.5, prior=[0.2], prior_weight=1, every=1)
+        events = list(tree_decoder(target, drafter, tree_budget=pol).stream(p, SamplingParams(max_new_tokens=30)))
         assert collect_ids(events) == greedy_reference(model, p, 30)
 
 
@@ -76,7 +78,7 @@ def test_tree_budget_validation():
     model = make_target("qwen3", vocab_size=64)
     target = TargetModel(model)
     with pytest.raises(ConfigError):
-        TreeDecoder(target, make_drafter(model.config, block_size=4), tree_budget=0)
+        tree_decoder(target, make_drafter(model.config, block_size=4), tree_budget=0)
 
 
 # -- calibration and the pipeline -----------------------------------------------------------------
@@ -95,18 +97,24 @@ def test_calibration_costs_tree_sized_verifies(pipe):
 
 
 def test_make_decoder_builds_chain_or_tree(pipe):
-    assert type(pipe.make_decoder(DecodeOptions(tree_budget=0))) is DFlashDecoder
+    def shape(opts: DecodeOptions) -> tuple[str, bool, int]:
+        dec = pipe.make_decoder(opts)
+        plan = dec.planner.plan()
+        return dec.name, plan.tree, dec.lookup
+
+    assert shape(DecodeOptions(tree_budget=0)) == ("dflash", False, 0)  # chains, no lookup
     dec = pipe.make_decoder(DecodeOptions(tree_budget=8))
-    assert isinstance(dec, TreeDecoder) and dec.tree_budget == 8
-    assert isinstance(pipe.make_decoder(DecodeOptions(decoder="ar", tree_budget=8)), AutoregressiveDecoder)
+    assert isinstance(dec.planner, FixedPlanner) and dec.tree_budget == 8 and dec.lookup == 16
+    assert shape(DecodeOptions(decoder="ar", tree_budget=8)) == ("ar", False, 0)
     saved = pipe.costs
     try:
-        pipe.costs = None  # auto on a CPU without measured tree costs: the chain, as before
-        assert type(pipe.make_decoder(DecodeOptions())) is DFlashDecoder
+        pipe.costs = None  # auto on a CPU without measured tree costs: chains, as before
+        assert shape(DecodeOptions()) == ("dflash", False, 0)
         pipe.costs = VerifyCosts(tuple([1.0] * 65), 0.1, 0.001)  # flat costs up to 65 tokens: a tree
         auto = pipe.make_decoder(DecodeOptions())
-        assert isinstance(auto, TreeDecoder) and auto.tree_budget >= 16
-        assert type(pipe.make_decoder(DecodeOptions(verify_length=2))) is DFlashDecoder  # a chain asked for
+        assert isinstance(auto.planner, AdaptivePlanner) and auto.planner.plan().tree and auto.tree_budget >= 16
+        fixed = pipe.make_decoder(DecodeOptions(verify_length=2)).planner  # a chain asked for: on the device
+        assert isinstance(fixed, FixedPlanner) and fixed.plan().depth == 2 and not fixed.plan().on_host
         ids = pipe.encode("def add(a, b):", chat=False)
         params = SamplingParams(max_new_tokens=16, ignore_eos=True)
         want = collect_ids(list(pipe.stream(ids, params, DecodeOptions(decoder="ar"))))
@@ -362,15 +370,15 @@ def test_attention_without_custom_masks_refuses_trees():
     model.config._attn_implementation = "flash_attention_2"
     target = TargetModel(model)
     with pytest.raises(ConfigError, match="flash_attention_2"):
-        TreeDecoder(target, make_drafter(model.config, block_size=4), tree_budget=4)
+        tree_decoder(target, make_drafter(model.config, block_size=4), tree_budget=4)
 
 
 def test_recorded_rank_coverage_is_the_prior():
     table = [[0.2, 0.6, 0.1], [0.2, 0.6, 0.1]]
-    pol = AdaptiveTreeBudget(3, [1.0] * 65, prior=[0.9], prior_table=table)
+    pol = AdaptivePlanner(3, [1.0] * 65, prior=[0.9], prior_table=table)
     cov = pol.coverage()
     assert len(cov) == 3 and cov[0][:3] == pytest.approx([0.2, 0.6, 0.1]) and cov[2][1] == pytest.approx(0.6)
-    assert pol.budget() > 0  # the argmax is usually wrong but rank 1 is right: a tree pays
+    assert pol.choice[0] > 0  # the argmax is usually wrong but rank 1 is right: a tree pays
 
 
 def test_drafter_evaluation_measures_the_drafter_without_context_lookup(pipe):

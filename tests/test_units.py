@@ -10,8 +10,10 @@ from runtime.engine.acceptance import accept_prefix
 from runtime.engine.detok import IncrementalDetokenizer, TextAssembler
 from runtime.engine.drafter import default_target_layer_ids
 from runtime.engine.kv_cache import DraftKVCache, crop_to
+from runtime.engine.plan import AdaptivePlanner, best_plan, prior_coverage
 from runtime.engine.sampling import filter_logits, sample
-from runtime.engine.verify_length import AdaptiveVerifyLength, best_length
+from runtime.engine.step import StepOutcome
+from runtime.engine.tree import chain_tree
 from runtime.errors import ConfigError
 
 
@@ -130,23 +132,28 @@ def test_stop_strings_cut_output_and_hold_back_prefixes():
     assert a.finish() == "EN"
 
 
-def test_best_verify_length_prefers_short_blocks_when_verify_is_costly():
+def test_best_chain_prefers_short_blocks_when_verify_is_costly():
     cost = [1.0, 1.08, 1.16, 1.24, 1.31, 1.38, 1.45, 1.52]
-    low = [0.4, 0.16, 0.06, 0.02, 0.01, 0.0, 0.0]
-    high = [0.95, 0.9, 0.85, 0.8, 0.76, 0.72, 0.68]
-    assert 0 < best_length(low, cost, 0.05, 7) < 3
-    assert best_length(high, cost, 0.05, 7) == 7
-    assert best_length([0.01] * 7, cost, 0.3, 7) == 0
+    low, high = prior_coverage([0.4], 7), prior_coverage([0.95], 7)
+    assert best_plan(low, cost, 0.05, 7, budgets=())[1] in (1, 2)
+    assert best_plan(high, cost, 0.05, 7, budgets=()) == (0, 7)
+    assert best_plan(prior_coverage([0.01], 7), cost, 0.3, 7, budgets=()) == (0, 0)
     flat = [1.0] * 8
-    assert best_length(low, flat, 0.0, 7) >= best_length(low, cost, 0.0, 7)
+    assert best_plan(low, flat, 0.0, 7, budgets=())[1] >= best_plan(low, cost, 0.0, 7, budgets=())[1]
 
 
-def test_adaptive_verify_length_learns_from_steps():
-    pol = AdaptiveVerifyLength(7, [1.0, 1.08, 1.16, 1.24, 1.31, 1.38, 1.45, 1.52], prior=[0.3] * 7, every=4)
-    k0 = pol.length()
+def _chain_step(ranks: list[int]) -> StepOutcome:
+    """A chain step whose target choices ranked ``ranks`` at the visited depths."""
+    a = next((i for i, r in enumerate(ranks) if r != 0), len(ranks))
+    return StepOutcome(chain_tree(1, [2] * len(ranks)), list(range(a + 1)), [2] * (len(ranks) + 1), ranks, None, 7, 0.0)
+
+
+def test_adaptive_chain_length_learns_from_steps():
+    pol = AdaptivePlanner(7, [1.0, 1.08, 1.16, 1.24, 1.31, 1.38, 1.45, 1.52], prior=[0.3], trees=False, cut=False, every=4)
+    k0 = pol.plan().depth
     for _ in range(200):
-        pol.observe(pol.length(), pol.length())  # everything accepted
-    assert pol.length() > k0
+        pol.observe(_chain_step([0] * 7))  # everything accepted
+    assert pol.plan().depth > k0
     for _ in range(2000):
-        pol.observe(pol.length(), 0)  # nothing accepted
-    assert pol.length() <= 1
+        pol.observe(_chain_step([-1]))  # nothing accepted
+    assert pol.plan().depth <= 1

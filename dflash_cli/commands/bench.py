@@ -40,6 +40,9 @@ from ..common import (
     state_dir,
     status,
 )
+from ..common import (
+    confidence_cut as confidence_cut_setting,
+)
 from ..errors import handle_errors
 from ..render import warn_block_size
 
@@ -208,7 +211,7 @@ def bench(
         tree_budget=tree_budget,
         lookups=_ints_or_auto(lookups, "--lookups", "lengths like 0,8,16,auto"),
         lookup=lookup,
-        confidence_cut=confidence_cut,
+        confidence_cut=confidence_cut_setting(confidence_cut),
         max_new_tokens=max_tokens,
         temperature=temperature,
         seed=seed,

@@ -44,6 +44,9 @@ from ..common import (
     session_options,
     state_dir,
 )
+from ..common import (
+    confidence_cut as confidence_cut_setting,
+)
 from ..errors import handle_errors
 
 if TYPE_CHECKING:
@@ -155,7 +158,7 @@ def chat(
         verify_length=verify_length,
         tree_budget=tree_budget,
         lookup=lookup,
-        confidence_cut=confidence_cut,
+        confidence_cut=confidence_cut_setting(confidence_cut),
     )
     session = session_options(model, target, drafter, device, dtype, offline, revision, quantize, threads, server, opts)
     resume_id = _resume_id(resume, db) if resume is not None else None

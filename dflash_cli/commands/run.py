@@ -44,6 +44,9 @@ from ..common import (
     read_prompt,
     session_options,
 )
+from ..common import (
+    confidence_cut as confidence_cut_setting,
+)
 from ..errors import handle_errors
 from ..render import format_stats_line, paint, warn_block_size
 
@@ -142,7 +145,7 @@ def run(
         verify_length=verify_length,
         tree_budget=tree_budget,
         lookup=lookup,
-        confidence_cut=confidence_cut,
+        confidence_cut=confidence_cut_setting(confidence_cut),
     )
     use_chat = False if raw else (True if chat else None)
     cancel = CancelToken()

@@ -42,6 +42,9 @@ from ..common import (
     open_pipeline,
     session_options,
 )
+from ..common import (
+    confidence_cut as confidence_cut_setting,
+)
 from ..errors import handle_errors
 from ..render import warn_block_size
 
@@ -252,7 +255,7 @@ def serve(
         verify_length=verify_length,
         tree_budget=tree_budget,
         lookup=lookup,
-        confidence_cut=confidence_cut,
+        confidence_cut=confidence_cut_setting(confidence_cut),
     )
     api_key = os.environ.get("DFLASH_API_KEY", "").strip() or None
     session = session_options(model, target, drafter, device, dtype, offline, revision, quantize, threads)

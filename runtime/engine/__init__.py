@@ -1,15 +1,18 @@
-"""Decoding loops behind one protocol (``Decoder.stream``)."""
+"""The decode loop (``decode.SpeculativeDecoder``) behind one protocol (``Decoder.stream``)."""
 
+from runtime.engine.decode import SpeculativeDecoder
 from runtime.engine.decoder import CancelToken, Decoder, StatsRecorder
-from runtime.engine.dflash import AutoregressiveDecoder, DFlashDecoder, DraftHead
-from runtime.engine.tree_decoder import TreeDecoder
+from runtime.engine.draft_head import DraftHead
+from runtime.engine.select import chain_decoder, plain_decoder, select_decoder, tree_decoder
 
 __all__ = [
-    "AutoregressiveDecoder",
     "CancelToken",
-    "DFlashDecoder",
     "Decoder",
     "DraftHead",
+    "SpeculativeDecoder",
     "StatsRecorder",
-    "TreeDecoder",
+    "chain_decoder",
+    "plain_decoder",
+    "select_decoder",
+    "tree_decoder",
 ]

@@ -12,7 +12,7 @@ cached one would mislead every later run. So a measurement is cached only when i
 (``untrustworthy``: longer verifies not cheaper than shorter ones beyond noise, repetitions that
 agree, close to an earlier measurement); otherwise it is repeated, and if it never settles it is
 used for this run only, made monotone. A cached entry that fails the same check is measured again.
-The decoder also learns the real step costs while it runs (``verify_length.AdaptiveVerifyLength``).
+The planners read the result (``runtime.engine.plan``).
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ from typing import Any
 
 import torch
 
+from runtime.engine.costs import running_max
+from runtime.engine.draft_head import DraftHead
 from runtime.engine.kv_cache import DraftKVCache
-from runtime.engine.verify_length import running_max
 
 
 @dataclass(frozen=True)
@@ -134,8 +135,6 @@ def measure_costs(pipeline: Any, context: int = 96, reps: int = 3, max_tokens: i
 
         jobs[n] = verify
     if drafter is not None and feats is not None:
-        from runtime.engine.dflash import DraftHead
-
         head = DraftHead.for_pair(target, drafter)
         mask = drafter.dflash.mask_token_id
         block = torch.full((1, b), mask, dtype=torch.long, device=device)

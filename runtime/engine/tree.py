@@ -76,7 +76,12 @@ def slot_candidates(
 def tree_from_candidates(
     vals: Sequence[Sequence[float]], toks: Sequence[Sequence[int]], anchor: int, budget: int
 ) -> DraftTree:
-    """Best-first draft tree over per-slot candidates (see ``build_tree``).
+    """Best-first draft tree over per-slot candidates (``slot_candidates``).
+
+    Candidates are popped from a max-heap on the summed log-probability of their path. Popping
+    a node pushes its next sibling (same parent, next-ranked token of the same slot) and its
+    first child (top token of the next slot); both score at most the node itself, so nodes come
+    out in non-increasing score order and the tree holds the ``budget`` best paths' nodes.
 
     Args:
         vals: [D][w] log-probabilities of each slot's candidates, best first.
@@ -109,30 +114,6 @@ def tree_from_candidates(
             heapq.heappush(heap, (-(scores[node] + vals[depth][0]), counter, node, depth + 1, 0))
             counter += 1
     return DraftTree(tuple(tokens), tuple(parents), tuple(depths), tuple(ranks), cands)
-
-
-def build_tree(
-    logprobs: torch.Tensor, anchor: int, budget: int, vocab_ids: torch.Tensor | None = None, width: int = 0
-) -> DraftTree:
-    """Best-first draft tree from per-slot log-probabilities.
-
-    Candidates are popped from a max-heap on the summed log-probability of their path. Popping
-    a node pushes its next sibling (same parent, next-ranked token of the same slot) and its
-    first child (top token of the next slot); both score at most the node itself, so nodes come
-    out in non-increasing score order and the tree holds the ``budget`` best paths' nodes.
-
-    Args:
-        logprobs: [D, V_d] log-probabilities of slots 1..D (D = the deepest depth allowed).
-        anchor: the root's token id.
-        budget: drafted nodes to add (B, the root not counted); 0 gives the root alone.
-        vocab_ids: [V_d] full-vocabulary id of each column (a reduced draft vocabulary), or None.
-        width: candidates per slot to keep in ``DraftTree.candidates`` (at least ``budget``).
-
-    Returns:
-        A ``DraftTree`` with ``1 + min(budget, reachable nodes)`` nodes.
-    """
-    vals, toks = slot_candidates(logprobs, max(budget, width), vocab_ids)
-    return tree_from_candidates(vals, toks, anchor, budget)
 
 
 def chain_tree(anchor: int, draft: Sequence[int], candidates: Sequence[Sequence[int]] = ()) -> DraftTree:
@@ -250,3 +231,8 @@ def losing_branches(parents: Sequence[int], path: Sequence[int]) -> list[list[in
     """
     last = path[-1] if path else -1
     return [[c, *first_child_descent(parents, c)] for c, p in enumerate(parents) if p == last]
+
+
+def chain_is_path(tree: DraftTree) -> bool:
+    """True when every node's parent is the node before it (a chain: the causal verify fits)."""
+    return all(p == i - 1 for i, p in enumerate(tree.parents))

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from runtime.engine.corpus import CorpusCounts, CorpusTable, Query
 from runtime.engine.drafter import DFlashDraftModel, draft_columns_to_ids, load_draft_model, save_draft_model
-from runtime.engine.lookup import NgramIndex, block_copies
+from runtime.engine.ngram import NgramIndex, block_copies
 from runtime.errors import ConfigError
 from runtime.train.data import Shard, load_shard
 from runtime.train.losses import fused_head_loss, head_argmax
@@ -276,7 +276,7 @@ def build_batch(
             after those drafts); later slots are ignored.
         copy_ngram: with a drafter that has copy inputs, its n-gram sizes: each block also gets the
             context lookup's proposal over the sequence's tokens up to its anchor, exactly as the
-            decoder computes it (``runtime.engine.lookup.block_copies``).
+            decoder computes it (``runtime.engine.ngram.block_copies``).
         corpus: with a drafter that has a corpus table: sequence tokens -> the query its copy
             inputs use for that sequence (``CorpusSource``), and the table's n-gram sizes.
         candidates: per sequence, the anchors to sample from (None: every answer position).
