@@ -117,7 +117,7 @@ class RuntimeConfig:
             "hf" (transformers' own forward) or "auto" (lean where the model supports it).
         compile: run the lean forward's layers through ``torch.compile``: "on", or "off"/"auto"
             (the default: eager, because on CPUs compiled steps measured slower than eager and no
-            GPU measurement exists yet; README "Speed").
+            GPU measurement exists yet; docs/speed.md).
     """
 
     device: str = "auto"

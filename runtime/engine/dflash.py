@@ -2,7 +2,7 @@
 
 Per step: the drafter proposes a block in one forward, the target verifies the first K drafts in
 one forward, the longest agreeing prefix plus the target's own next token are committed, and both
-KV caches are cropped (DFLASH.md, "Decode loop").
+KV caches are cropped (docs/method.md, "The decode loop").
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 # Relative cost of verifying n tokens vs one, by device class (n = 1..16). CPU figures are the
-# measured ratios on a 2-core AVX-512 machine (TRAINING-NOTES.md: 16 tokens ~1.55x of one);
+# measured ratios on a 2-core AVX-512 machine (docs/method.md, "Costs": 16 tokens ~1.55x of one);
 # GPUs are flat over this range.
 DEFAULT_COST = {
     "cpu": [1.0, 1.08, 1.16, 1.24, 1.31, 1.38, 1.45, 1.52, 1.58, 1.64, 1.70, 1.76, 1.82, 1.88, 1.94, 2.0],
