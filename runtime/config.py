@@ -10,6 +10,10 @@ from dataclasses import dataclass
 
 from runtime.errors import ConfigError
 
+# The distribution this project is published under (pyproject.toml [project] name; "dflash" on PyPI
+# is z-lab's package). The command it installs is `dflash`.
+DISTRIBUTION = "dflash-code"
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 MAX_TREE_BUDGET = 1024  # drafted nodes per tree verify

@@ -133,3 +133,27 @@ def test_readme_first_command_is_accepted_by_the_cli():
         assert result.exit_code == 0, f"dflash {sub} --help: {result.output}"
         for flag in flags:
             assert flag in result.output, f"dflash {sub} has no {flag}"
+
+
+def test_distribution_name_is_not_the_taken_dflash_and_keeps_the_command():
+    import tomllib
+
+    from runtime.config import DISTRIBUTION
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    # "dflash" on PyPI is z-lab's own DFlash package (which also installs a `dflash` command)
+    assert project["name"] == DISTRIBUTION and DISTRIBUTION.lower().replace("_", "-") != "dflash"
+    assert project["scripts"]["dflash"] == "dflash_cli.app:main"
+
+
+def test_install_hints_and_version_lookups_name_this_distribution():
+    from runtime.config import DISTRIBUTION
+    from runtime.models.embedded import INSTALL_HINT
+    from runtime.quantize.schemes import SCHEMES
+
+    assert f"pip install '{DISTRIBUTION}[embedded]'" in INSTALL_HINT
+    assert f"pip install '{DISTRIBUTION}[quantize]'" in SCHEMES["int8"].install
+    stale = re.compile(r"""version\(\s*["']dflash["']\s*\)|["']dflash\[""")
+    files = [*code_files(), *markdown_files()]
+    hits = [str(f.relative_to(ROOT)) for f in files if stale.search(f.read_text(encoding="utf-8", errors="replace"))]
+    assert not hits, f"name the distribution {DISTRIBUTION!r}, not 'dflash' (z-lab's package): {hits}"
