@@ -32,7 +32,9 @@ def _version(value: bool) -> None:
         from importlib.metadata import PackageNotFoundError, version
 
         try:
-            v = version("dflash")
+            from runtime.config import DISTRIBUTION
+
+            v = version(DISTRIBUTION)
         except PackageNotFoundError:
             v = "0.1.0 (source tree)"
         typer.echo(f"dflash {v}")

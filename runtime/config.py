@@ -10,6 +10,10 @@ from dataclasses import dataclass
 
 from runtime.errors import ConfigError
 
+# The distribution this project is published under (pyproject.toml [project] name; "dflash" on PyPI
+# is z-lab's package). The command it installs is `dflash`.
+DISTRIBUTION = "dflash-code"
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 MAX_TREE_BUDGET = 1024  # drafted nodes per tree verify
@@ -117,7 +121,7 @@ class RuntimeConfig:
             "hf" (transformers' own forward) or "auto" (lean where the model supports it).
         compile: run the lean forward's layers through ``torch.compile``: "on", or "off"/"auto"
             (the default: eager, because on CPUs compiled steps measured slower than eager and no
-            GPU measurement exists yet; README "Speed").
+            GPU measurement exists yet; docs/speed.md).
     """
 
     device: str = "auto"

@@ -12,7 +12,7 @@ Rows (each: one warm-up prompt, then every prompt of the set; decode tok/s exclu
 The verify costs (chains and tree-sized verifies) are measured for this machine at the start of each dflash pair (as ``dflash run``
 does on first use). Prints a Markdown table of medians; ``--out FILE`` keeps every number as JSON.
 
-Example (see README "Speed"):
+Example (see docs/speed.md and docs/llamacpp.md):
     python scripts/speed_table.py --llama-server ~/.cache/llamacpp/src/build/bin/llama-server \\
         --gguf bf16=target-bf16.gguf --gguf Q4_K_M=target-q4_k_m.gguf -n 96 --out speed.json
 """

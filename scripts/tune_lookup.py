@@ -3,7 +3,7 @@
     python scripts/tune_lookup.py ood-chat 0,0 1,4 2,4 3,6     # 0,0 = lookup off
 
 Embedded pair, bf16, 2 threads, 96 tokens per prompt (fixed length); variants run prompt by prompt
-in the order given. Used to pick the context lookup's default (2, 4); see README "Context lookup".
+in the order given. Used to pick the context lookup's default (2, 4); see docs/decoding.md, "Context lookup".
 """
 
 from __future__ import annotations

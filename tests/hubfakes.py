@@ -1,6 +1,6 @@
 """Hugging Face Hub stand-ins for download/models/doctor tests (no network).
 
-* ``build_cached_repo`` writes the layout huggingface_hub keeps on disk (OFFLINE-MODELS.md section 4):
+* ``build_cached_repo`` writes the layout huggingface_hub keeps on disk (its documented cache layout):
   ``models--org--name/{refs/main, blobs/<sha256>, snapshots/<commit>/<file> -> ../../blobs/<sha256>}``.
 * ``FakeHub`` is a tiny HTTP server on 127.0.0.1 that answers the few endpoints ``snapshot_download``
   calls (repo info, tree listing, HEAD/GET ``resolve``) and honours ``Range`` requests. It can cut a

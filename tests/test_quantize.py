@@ -264,7 +264,7 @@ def test_missing_library_names_the_install_command(monkeypatch):
     monkeypatch.setattr(q, "library_installed", lambda name: False)
     with pytest.raises(MissingLibraryError, match="pip install bitsandbytes"):
         check_supported(SCHEMES["bnb-nf4"], torch.device("cuda"), torch.bfloat16)
-    with pytest.raises(MissingLibraryError, match=r"pip install 'dflash\[quantize\]'"):
+    with pytest.raises(MissingLibraryError, match=r"pip install 'dflash-code\[quantize\]'"):
         check_supported(SCHEMES["int8"], torch.device("cpu"), torch.float32)
 
 

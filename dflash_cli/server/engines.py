@@ -4,7 +4,7 @@ dflash does not build a distributed engine: ``dflash serve --engine vllm|sglang`
 engine's own command line with DFlash speculative decoding configured and runs it (or prints it).
 Flags as documented by the engines, checked against the released packages:
 
-vLLM 0.33.0 (docs/features/speculative_decoding/dflash.md; acceptance_metrics.md)
+vLLM 0.33.0 (vLLM's documentation: features/speculative_decoding/dflash.md, acceptance_metrics.md)
     vllm serve TARGET --speculative-config '{"method": "dflash", "model": DRAFTER,
     "num_speculative_tokens": K}' --tensor-parallel-size N --host H --port P
     K counts the drafted tokens: the query block is the anchor plus K masks, so K = block size - 1

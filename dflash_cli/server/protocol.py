@@ -140,7 +140,7 @@ class Message(_Schema):
         return "".join(p.text for p in self.content)
 
 
-MAX_TREE_BUDGET = 128  # largest per-request dflash.tree_budget (README "Serving")
+MAX_TREE_BUDGET = 128  # largest per-request dflash.tree_budget (docs/serve.md)
 MAX_LOOKUP = 64  # largest per-request dflash.lookup (copied tokens also join the verify forward)
 
 

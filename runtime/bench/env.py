@@ -46,7 +46,9 @@ def environment(pipe: Any, assistant: Any | None = None, quantize: str | None = 
     try:
         from importlib.metadata import version
 
-        dflash_version = version("dflash")
+        from runtime.config import DISTRIBUTION
+
+        dflash_version = version(DISTRIBUTION)
     except Exception:
         dflash_version = None
     gpu = torch.cuda.get_device_name(pipe.device) if pipe.device.type == "cuda" else None

@@ -143,7 +143,9 @@ def remote_environment(backend: RemoteBackend) -> dict[str, Any]:
     try:
         from importlib.metadata import version
 
-        dflash_version: str | None = version("dflash")
+        from runtime.config import DISTRIBUTION
+
+        dflash_version: str | None = version(DISTRIBUTION)
     except Exception:
         dflash_version = None
     info = backend.info()

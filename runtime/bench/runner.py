@@ -13,7 +13,7 @@ Protocol: every method gets untimed warm-up runs first; then, prompt by prompt, 
 runs once, the order rotating from prompt to prompt so that machine drift hits all alike. Runs are
 timed with the device synchronised around the clock (``runtime.bench.methods``). Greedy methods
 must reproduce ``ar``'s tokens; the first divergence is reported when they do not (in bf16 a
-batched verify and a one-token forward may break near-ties differently; DFLASH.md).
+batched verify and a one-token forward may break near-ties differently; docs/method.md).
 
 Results are frozen dataclasses (``BenchResult``); the CLI renders them and stores them
 (``runtime.bench.store``). Timed runs and the assistant model live in ``runtime.bench.methods``,

@@ -3,7 +3,7 @@
 Loads the published z-lab checkpoint layout as it is (config.json + safetensors, no remote code):
 ``layers.{i}.self_attn.{q,k,v,o}_proj``, ``{q,k}_norm``, ``mlp.{gate,up,down}_proj``,
 ``{input,post_attention}_layernorm``, ``fc`` [D, n*D], ``hidden_norm``, ``norm``. There is no
-embedding and no lm_head: the drafter borrows the target's (DFLASH.md).
+embedding and no lm_head: the drafter borrows the target's (docs/method.md).
 
 One forward: block embeddings [x_anchor, M, ..., M] give the queries; keys and values come from
 the fused target context C = hidden_norm(fc(concat(features))) followed by the block itself.
@@ -29,7 +29,7 @@ from runtime.errors import ConfigError, ModelLoadError
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """Target layers tapped when a drafter config does not list them (DFLASH.md formula).
+    """Target layers tapped when a drafter config does not list them (docs/method.md, "Checkpoint format").
 
     One drafter layer taps the middle layer; n > 1 layers tap n ids spread evenly from 1 to
     L_t - 3 with Python's round (half to even).

@@ -185,7 +185,7 @@ class FusedLinear:
         """True where packed GEMMs run: a CPU with oneDNN and float32 weights; bf16 weights where
         oneDNN has native bf16 (AVX512-BF16/AMX) or else dflash's native bf16 kernel builds. Packed
         float32 runs a decode step's small GEMMs about twice as fast as ``F.linear`` on an AVX2 CPU,
-        measured (README "Speed")."""
+        measured (docs/speed.md)."""
         if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
             return False
         if dtype == torch.bfloat16 and _native_bf16() is not None:

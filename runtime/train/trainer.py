@@ -1,4 +1,4 @@
-"""Drafter training (DFLASH.md "Training"): frozen target embedding and head, features from the
+"""Drafter training (docs/method.md "Training recipe", docs/training.md): frozen target embedding and head, features from the
 tapped target layers, random anchors, block-sparse attention, position-decayed cross-entropy,
 AdamW with warm-up and cosine decay, checkpoints that resume and continue over several runs.
 
