@@ -2,7 +2,9 @@
 builders, OpenAI-style errors.
 
 Extensions (ignored by OpenAI clients):
-  request  ``top_k``, ``ignore_eos``, ``stop_token_ids`` (as in vLLM/SGLang) and
+  request  ``suffix`` on ``/v1/completions`` (fill in the middle: the prompt is the text before the
+           hole, laid out with the target's FIM tokens by ``runtime.fim``);
+           ``top_k``, ``ignore_eos``, ``stop_token_ids`` (as in vLLM/SGLang) and
            ``dflash: {"decoder": "dflash"|"ar", "block_size": n, "verify_length": k, "tree_budget": B,
            "lookup": L}``.
   response ``dflash: {"stats": GenerationStats, "queue": {...}}``; every streamed chunk carries the
