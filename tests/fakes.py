@@ -42,8 +42,16 @@ CORPUS = [
 ] * 20
 
 
-def make_tokenizer(folder: Path | None = None, vocab_size: int = 320) -> Any:
-    """A small byte-level BPE tokenizer with ChatML special tokens and a chat template."""
+FIM_TOKENS = {  # as the families' tokenizers declare them (added after training: the BPE stays the same)
+    "qwen": ["<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"],
+    "starcoder": ["<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<fim_pad>", "<repo_name>", "<file_sep>"],
+    "codellama": ["▁<PRE>", "▁<MID>", "▁<SUF>", "▁<EOT>"],
+}
+
+
+def make_tokenizer(folder: Path | None = None, vocab_size: int = 320, fim: str | None = None) -> Any:
+    """A small byte-level BPE tokenizer with ChatML special tokens and a chat template; ``fim``
+    ("qwen", "starcoder", "codellama") adds that family's fill-in-the-middle tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -61,6 +69,8 @@ def make_tokenizer(folder: Path | None = None, vocab_size: int = 320) -> Any:
         tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None
     )
     fast.chat_template = CHATML
+    if fim is not None:
+        fast.add_special_tokens({"additional_special_tokens": FIM_TOKENS[fim]})
     if folder is not None:
         fast.save_pretrained(str(folder))
     return fast
@@ -162,6 +172,7 @@ def save_pair(
     block_size: int = 4,
     with_tokenizer: bool = True,
     seed: int = 0,
+    fim: str | None = None,
     **drafter_kw: Any,
 ) -> tuple[Path, Path]:
     """Save a tiny target (+ tokenizer) and a matching drafter; return (target_dir, drafter_dir)."""
@@ -170,7 +181,7 @@ def save_pair(
     vocab = 320
     eos = None
     if with_tokenizer:
-        tok = make_tokenizer(target_dir)
+        tok = make_tokenizer(target_dir, fim=fim)
         vocab = max(len(tok), 64) + 8
         eos = tok.eos_token_id
     target = make_target(arch, vocab_size=vocab, seed=seed, eos_token_id=eos)

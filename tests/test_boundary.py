@@ -43,7 +43,7 @@ def test_runtime_sources_never_mention_ui_imports():
 # everything else in runtime/ (model resolution and loading, bench, quantize, train, the remote
 # client, doctor, the Backend protocol, sessions); then the two front ends.
 ROOT = Path(runtime.__file__).parent.parent
-FEATURES = ("models", "bench", "quantize", "client", "train", "pipeline", "doctor", "session", "backend")
+FEATURES = ("models", "bench", "quantize", "client", "train", "pipeline", "doctor", "session", "backend", "fim")
 ALLOWED = {
     "core": {"core"},
     "engine": {"core", "engine"},

@@ -285,3 +285,53 @@ def test_ctrl_c_keeps_partial_output_and_exits_130(tmp_path):
     assert lines[-1]["type"] == "done" and lines[-1]["reason"] == "cancelled"
     assert 0 < lines[-1]["stats"]["generated_tokens"] < 30000
     assert "interrupted" in err
+
+
+# -- fill in the middle (--suffix) ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def fim_pair_args(tmp_path_factory):
+    t, d = save_pair(tmp_path_factory.mktemp("fim"), block_size=4, fim="qwen")
+    return ["--target", str(t), "--drafter", str(d), "--dtype", "float32", "-n", "8"], t
+
+
+def test_suffix_fills_the_middle_with_the_fim_prompt(fim_pair_args, tmp_path):
+    from runtime import fim
+    from tests.fakes import make_tokenizer
+
+    args, target = fim_pair_args
+    prefix, suffix = "def add(a, b):\n    ", "\n\nprint(add(1, 2))\n"
+    r = run([*args, "--json", "--suffix", suffix, prefix], input="")
+    assert r.exit_code == 0, r.output
+    lines = [json.loads(x) for x in r.stdout.splitlines()]
+    assert lines[0]["type"] == "prefill" and lines[-1]["type"] == "done"  # events as without --suffix
+    tok = make_tokenizer(fim="qwen")
+    assert lines[0]["prompt_tokens"] == len(fim.build(tok, prefix, suffix).ids)
+    (tmp_path / "after.py").write_text(suffix)
+    from_file = run([*args, "--json", "--suffix", f"@{tmp_path / 'after.py'}"], input=prefix)  # prefix on stdin
+    assert from_file.exit_code == 0, from_file.output
+
+    def ids(out):
+        return [t["id"] for x in out.splitlines() for t in json.loads(x).get("tokens", [])]
+
+    assert ids(from_file.stdout) == ids(r.stdout)
+
+
+def test_suffix_file_missing_is_exit_2(fim_pair_args, tmp_path):
+    from tests.fakes import one_line_error
+
+    r = run([*fim_pair_args[0], "--suffix", f"@{tmp_path / 'nope.py'}", "x = "], input="")
+    one_line_error(r, 2, "nope.py", "does not exist")
+
+
+def test_suffix_without_fim_tokens_is_exit_2(pair_args):
+    from tests.fakes import one_line_error
+
+    r = run([*pair_args, "--suffix", "b = 2\n", "a = 1\n"], input="")
+    one_line_error(r, 2, "declares no fill-in-the-middle tokens")
+
+
+def test_suffix_excludes_chat(fim_pair_args):
+    from tests.fakes import one_line as fake_one_line
+
+    r = run([*fim_pair_args[0], "--chat", "--suffix", "b", "a"], input="")
+    assert r.exit_code == 2 and "exclude each other" in fake_one_line(r.output)

@@ -80,6 +80,29 @@ class _SigintCancel:
             signal.signal(signal.SIGINT, self.previous)
 
 
+def _read_suffix(value: str) -> str:
+    """``--suffix`` as text: ``@path`` reads the file (UTF-8).
+
+    Raises:
+        InputError: the file is missing, unreadable or not UTF-8.
+    """
+    from pathlib import Path
+
+    from runtime import InputError
+    from runtime.textio import check_text, decode_utf8
+
+    if not value.startswith("@"):
+        return check_text(value, "--suffix")
+    path = Path(value[1:]).expanduser()
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise InputError(f"--suffix file {path} does not exist") from None
+    except OSError as e:
+        raise InputError(f"cannot read the --suffix file {path}: {e.strerror or e}") from None
+    return decode_utf8(data, str(path))
+
+
 @handle_errors
 def run(
     prompt: Annotated[
@@ -107,6 +130,14 @@ def run(
     raw: Annotated[bool, typer.Option("--raw", help="Plain completion: no chat template.")] = False,
     chat: Annotated[bool, typer.Option("--chat", help="Force the chat template.")] = False,
     system: Annotated[str | None, typer.Option("--system", "-s", help="System prompt (chat mode).")] = None,
+    suffix: Annotated[
+        str | None,
+        typer.Option(
+            "--suffix",
+            help="Fill in the middle: the text after the hole (TEXT, or @FILE to read a file); the prompt "
+            "(or stdin) is the text before it. Needs a target whose tokenizer has FIM tokens.",
+        ),
+    ] = None,
     stop: Annotated[list[str] | None, typer.Option("--stop", help="Stop string (repeatable).")] = None,
     stats: Annotated[bool, typer.Option("--stats", help="Print a one-line summary to stderr.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Write the event stream as NDJSON on stdout.")] = False,
@@ -125,11 +156,22 @@ def run(
 
     if raw and chat:
         raise typer.BadParameter("--raw and --chat exclude each other")
+    suffix_text = None
+    if suffix is not None:
+        for flag, given in (("--chat", chat), ("--system", system is not None), ("--prompt-ids", prompt_ids)):
+            if given:
+                raise typer.BadParameter(f"--suffix (fill in the middle) and {flag} exclude each other")
+        if server:
+            raise typer.BadParameter(
+                "--suffix builds the prompt from the local target's FIM tokens; with --server, post to the "
+                "server's /infill (or /v1/completions with suffix) instead"
+            )
+        suffix_text = _read_suffix(suffix)
     ids = parse_ids(prompt_ids) if prompt_ids else None
     text = None
     if ids is None:
         text = read_prompt(prompt)
-        if not text.strip():
+        if not text.strip() and suffix_text is None:  # a middle may start at the top of a file
             raise InputError("the prompt is empty; pass text as an argument, '-' or on stdin")
     params = SamplingParams(
         temperature=temperature,
@@ -158,8 +200,18 @@ def run(
     if not server:
         warn_block_size(backend, block_size)  # above the drafter's trained block: slower, says so on stderr
     show_ids = not backend.capabilities.tokenizer  # a pair without a tokenizer: ids in, ids out
-    prompt_in: str | list[int] = ids if ids is not None else (text or "")
-    events = backend.stream(prompt_in, params, opts, cancel, chat=use_chat, system=system)
+    if suffix_text is not None:
+        from dataclasses import replace
+
+        from runtime import fim
+
+        name = str(backend.describe().get("target") or "this target")
+        built = fim.build(getattr(backend, "tokenizer", None), text or "", suffix_text, target_name=name)
+        params = replace(params, stop_token_ids=tuple(sorted(set(params.stop_token_ids) | set(built.stop_ids))))
+        events = backend.stream_ids(built.ids, params, opts, cancel)
+    else:
+        prompt_in: str | list[int] = ids if ids is not None else (text or "")
+        events = backend.stream(prompt_in, params, opts, cancel, chat=use_chat, system=system)
     use_color = color == ColorChoice.always or (color == ColorChoice.auto and sys.stdout.isatty())
     out = sys.stdout
     finished = None

@@ -1,15 +1,20 @@
 """The ASGI app of ``dflash serve`` (Starlette): OpenAI-compatible endpoints over a runtime
 ``Backend``, one generation at a time through ``GenerationQueue``.
 
-Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON or
-server-sent events with ``stream: true``), ``GET /metrics`` (Prometheus), ``GET /health``.
-Every failure is answered as an OpenAI-style error object; nothing a client sends stops the server.
+Endpoints: ``GET /v1/models``, ``POST /v1/completions`` (``suffix``: fill in the middle),
+``POST /v1/chat/completions`` (JSON or server-sent events with ``stream: true``), ``GET /metrics``
+(Prometheus), ``GET /health``; on the same port, what editor plugins speak (``editors``):
+llama.cpp's ``POST /infill`` and ``POST /completion``, Ollama's ``POST /api/generate``,
+``POST /api/show``, ``GET /api/tags`` and ``GET /api/version``.
+Every failure is answered as an error object of the endpoint's own format; nothing a client sends
+stops the server.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import json
 import sys
@@ -28,10 +33,11 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from runtime import CancelToken, DecodeOptions, DFlashError, InputError, OutOfMemoryError
+from runtime import CancelToken, DecodeOptions, DFlashError, InputError, OutOfMemoryError, fim
 from runtime.backend import Backend
 from runtime.engine.events import DecodeEvent, Finished, GenerationStats, PrefillDone, event_to_json
 
+from . import editors as E
 from . import protocol as P
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .queue import GenerationQueue, Job, QueueFullError
@@ -114,6 +120,13 @@ class DFlashServer:
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
+            # editor plugins (docs/serve-editors.md)
+            Route("/infill", self.infill, methods=["POST"]),
+            Route("/completion", self.llama_completion, methods=["POST"]),
+            Route("/api/generate", self.ollama_generate, methods=["POST"]),
+            Route("/api/show", self.ollama_show, methods=["POST"]),
+            Route("/api/tags", self.ollama_tags, methods=["GET"]),
+            Route("/api/version", self.ollama_version, methods=["GET"]),
         ]
         return Starlette(
             routes=routes,
@@ -229,6 +242,10 @@ class DFlashServer:
             self._auth(request)
             body = await self._read_json(request)
             req = P.parse_request(body, kind, self.config.model_names, self.config.limits, self.config.decode)
+            if req.suffix is not None:  # fill in the middle: the prompt is the prefix
+                built = E.fim_prompt(self._tokenizer, self._target_name, req.prompt or "", req.suffix, "suffix")
+                req = replace(req, prompt=None, prompt_ids=tuple(built.ids), suffix=None)
+                req = replace(req, params=E.with_stop_ids(req.params, built.stop_ids))
             assert self.queue is not None
             try:
                 job = self.queue.submit(self._start(req), asyncio.get_running_loop())
@@ -332,8 +349,322 @@ class DFlashServer:
             yield line(P.usage_chunk(req, rid, created, stats))
         yield "data: [DONE]\n\n"
 
+    # -- editor plugins: llama.cpp and Ollama wire formats (editors.py) ---------------------------
+    @property
+    def _tokenizer(self) -> Any:
+        """The target's tokenizer where the backend has one (a local pipeline), else None."""
+        return getattr(self.backend, "tokenizer", None)
 
-ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/models": "models"}
+    @property
+    def _target_name(self) -> str:
+        name = self.backend.describe().get("target")
+        return _public_name(name) if isinstance(name, str) else self.config.model_names[0]
+
+    def _editor_start(self, job: E.EditorJob, watch: E.Watch, seed: int) -> Any:
+        backend, metrics = self.backend, self.metrics
+        params = replace(job.params, seed=seed)
+        queued = time.time()
+
+        def start(cancel: CancelToken) -> Iterator[DecodeEvent]:
+            wait = time.time() - queued
+            if job.prompt_ids is not None:
+                events = backend.stream_ids(list(job.prompt_ids), params, job.opts, cancel)
+            else:
+                assert job.prompt is not None
+                events = backend.stream(job.prompt, params, job.opts, cancel, chat=job.chat, system=job.system)
+            for event in watch.events(events, cancel):
+                if isinstance(event, Finished):
+                    metrics.generation(event.reason, event.stats, wait)
+                yield event
+
+        return start
+
+    async def _editor_begin(
+        self, request: Request, job: E.EditorJob, endpoint: str, seed: int
+    ) -> tuple[Job, E.Watch, DecodeEvent, AsyncIterator[DecodeEvent]] | P.APIError | None:
+        """Queue one generation and wait for its first event (a bad prompt still gets its status);
+        None: the client left before it started."""
+        assert self.queue is not None
+        watch = E.Watch(job.t_max_predict_ms, job.n_indent)
+        try:
+            queued = self.queue.submit(self._editor_start(job, watch, seed), asyncio.get_running_loop())
+        except QueueFullError as e:
+            return P.APIError(503, f"the server is busy ({e}); retry later", type="server_error", code="server_busy")
+        events = queued.events()
+        watcher = asyncio.ensure_future(_cancel_on_disconnect(request, queued))
+        try:
+            first = await events.__anext__()
+        except StopAsyncIteration:
+            return None
+        except Exception as e:  # noqa: BLE001
+            err = _runtime_error(e)
+            if err.status >= 500 and self.config.debug:
+                traceback.print_exception(e, file=sys.stderr)
+            return err
+        finally:
+            watcher.cancel()
+        return queued, watch, first, events
+
+    async def _editor_collect(
+        self, request: Request, begun: tuple[Job, E.Watch, DecodeEvent, AsyncIterator[DecodeEvent]]
+    ) -> tuple[str, list[int], Finished | None]:
+        """Read a generation to its end: (text, committed ids, the Finished event or None)."""
+        queued, watch, event, events = begun
+        text: list[str] = []
+        ids: list[int] = []
+        done: Finished | None = None
+        watcher = asyncio.ensure_future(_cancel_on_disconnect(request, queued))
+        try:
+            while True:
+                if isinstance(event, Finished):
+                    done = event
+                else:
+                    text.append(event.text)
+                    ids.extend(t.token_id for t in event.tokens)
+                try:
+                    event = await events.__anext__()
+                except StopAsyncIteration:
+                    break
+        finally:
+            watcher.cancel()
+        out = "".join(text)
+        return (out[: watch.cut] if watch.cut is not None else out), ids, done
+
+    def _eos_ids(self) -> tuple[int, ...]:
+        ids = getattr(self.backend, "stop_token_ids", ())
+        return tuple(ids) if isinstance(ids, (tuple, list)) else ()
+
+    def _llama_error(self, endpoint: str, e: P.APIError) -> JSONResponse:
+        self.metrics.request(endpoint, e.status)
+        return JSONResponse(E.llama_error(e), status_code=e.status)
+
+    async def infill(self, request: Request) -> Response:
+        return await self._llama(request, "infill")
+
+    async def llama_completion(self, request: Request) -> Response:
+        return await self._llama(request, "completion")
+
+    async def _llama(self, request: Request, kind: str) -> Response:
+        endpoint = kind
+        try:
+            self._auth(request)
+            body = await self._read_json(request)
+            cfg = self.config
+            job = E.parse_llama(
+                body, kind, cfg.model_names, cfg.limits, cfg.decode, self._tokenizer, self._target_name
+            )
+        except P.APIError as e:
+            return self._llama_error(endpoint, e)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        results: list[dict[str, Any]] = []
+        for i in range(job.n_cmpl):
+            begun = await self._editor_begin(request, job, endpoint, job.params.seed + i)
+            if begun is None:
+                self.metrics.request(endpoint, 499)
+                return Response(status_code=499)
+            if isinstance(begun, P.APIError):
+                return self._llama_error(endpoint, begun)
+            if job.stream:
+                self.metrics.request(endpoint, 200)
+                sse = self._llama_sse(job, begun)
+                return StreamingResponse(sse, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            try:
+                text, ids, done = await self._editor_collect(request, begun)
+            except Exception as e:  # noqa: BLE001
+                return self._llama_error(endpoint, _runtime_error(e))
+            if done is None:
+                self.metrics.request(endpoint, 499)
+                return Response(status_code=499)
+            stop = E.stop_type(job, begun[1], done, ids[-1] if ids else None, self._eos_ids())
+            result = E.llama_result(job, i, text, ids, done.stats, stop)
+            results.append(E.select_fields(result, job.response_fields))
+        self.metrics.request(endpoint, 200)
+        return JSONResponse(results[0] if job.n_cmpl == 1 else results)
+
+    async def _llama_sse(
+        self, job: E.EditorJob, begun: tuple[Job, E.Watch, DecodeEvent, AsyncIterator[DecodeEvent]]
+    ) -> AsyncIterator[str]:
+        queued, watch, first, events = begun
+
+        def line(obj: dict[str, Any]) -> str:
+            return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+        sent, text, predicted = 0, "", 0
+        ids: list[int] = []
+        event: DecodeEvent | None = first
+        try:
+            while event is not None:
+                if isinstance(event, Finished):
+                    stop = E.stop_type(job, watch, event, ids[-1] if ids else None, self._eos_ids())
+                    result = E.llama_result(job, 0, text, ids, event.stats, stop, streamed=True)
+                    yield line(E.select_fields(result, job.response_fields))
+                elif not job.warm_only:
+                    text += event.text
+                    new = [t.token_id for t in event.tokens]
+                    ids += new
+                    predicted += len(new)
+                    end = len(text) if watch.cut is None else min(watch.cut, len(text))
+                    if end > sent or new:
+                        piece, sent = text[sent:end], max(sent, end)
+                        yield line(E.llama_chunk(job, piece, new, predicted, event_prompt(event)))
+                try:
+                    event = await events.__anext__()
+                except StopAsyncIteration:
+                    event = None
+        except asyncio.CancelledError:
+            queued.cancel.cancel()
+            raise
+        except Exception as e:  # noqa: BLE001 - reported in-band: the status line is already sent
+            err = _runtime_error(e)
+            if self.config.debug:
+                traceback.print_exception(e, file=sys.stderr)
+            yield f"error: {json.dumps(E.llama_error(err), ensure_ascii=False)}\n\n"
+        finally:
+            queued.cancel.cancel()
+
+    # Ollama
+    def _ollama_error(self, e: P.APIError) -> JSONResponse:
+        self.metrics.request("ollama", e.status)
+        return JSONResponse({"error": e.message}, status_code=e.status)
+
+    async def ollama_generate(self, request: Request) -> Response:
+        t0 = time.perf_counter()
+        try:
+            self._auth(request)
+            body = await self._read_json(request)
+            cfg = self.config
+            job = E.parse_ollama(body, cfg.model_names, cfg.limits, cfg.decode, self._tokenizer, self._target_name)
+            if job is None:  # no prompt: Ollama only loads the model
+                model = E.resolve_model(body.get("model"), cfg.model_names, ollama=True)
+                self.metrics.request("ollama", 200)
+                return JSONResponse(E.ollama_final(model, "", "load", None, time.perf_counter() - t0))
+        except P.APIError as e:
+            return self._ollama_error(e)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        begun = await self._editor_begin(request, job, "ollama", job.params.seed)
+        if begun is None:
+            self.metrics.request("ollama", 499)
+            return Response(status_code=499)
+        if isinstance(begun, P.APIError):
+            return self._ollama_error(begun)
+        if job.stream:
+            self.metrics.request("ollama", 200)
+            return StreamingResponse(self._ollama_lines(job, begun, t0), media_type="application/x-ndjson")
+        try:
+            text, _ids, done = await self._editor_collect(request, begun)
+        except Exception as e:  # noqa: BLE001
+            return self._ollama_error(_runtime_error(e))
+        if done is None:
+            self.metrics.request("ollama", 499)
+            return Response(status_code=499)
+        self.metrics.request("ollama", 200)
+        reason = "length" if done.reason == "length" else "stop"
+        out = E.ollama_final(job.model, "" if job.warm_only else text, reason, done.stats, time.perf_counter() - t0)
+        return JSONResponse(out)
+
+    async def _ollama_lines(
+        self, job: E.EditorJob, begun: tuple[Job, E.Watch, DecodeEvent, AsyncIterator[DecodeEvent]], t0: float
+    ) -> AsyncIterator[str]:
+        queued, _watch, first, events = begun
+
+        def line(obj: dict[str, Any]) -> str:
+            return json.dumps(obj, ensure_ascii=False) + "\n"
+
+        event: DecodeEvent | None = first
+        try:
+            while event is not None:
+                if isinstance(event, Finished):
+                    reason = "length" if event.reason == "length" else "stop"
+                    yield line(E.ollama_final(job.model, "", reason, event.stats, time.perf_counter() - t0))
+                elif event.text and not job.warm_only:
+                    yield line(E.ollama_chunk(job.model, event.text))
+                try:
+                    event = await events.__anext__()
+                except StopAsyncIteration:
+                    event = None
+        except asyncio.CancelledError:
+            queued.cancel.cancel()
+            raise
+        except Exception as e:  # noqa: BLE001 - reported in-band
+            yield line({"error": _runtime_error(e).message})
+        finally:
+            queued.cancel.cancel()
+
+    def _ollama_model(self, name: str) -> dict[str, Any]:
+        describe = self.backend.describe()
+        dtype = describe.get("quantization") or describe.get("dtype")
+        return {
+            "name": name,
+            "model": name,
+            "modified_at": E.iso_now(),
+            "size": 0,
+            "digest": hashlib.sha256(name.encode()).hexdigest(),
+            "details": E.ollama_details(self._architecture(), str(dtype) if dtype else None),
+        }
+
+    def _architecture(self) -> str | None:
+        config = getattr(getattr(self.backend, "target", None), "config", None)
+        arch = getattr(config, "model_type", None)
+        return arch if isinstance(arch, str) else None
+
+    async def ollama_show(self, request: Request) -> Response:
+        try:
+            self._auth(request)
+            body = await self._read_json(request)
+            if not isinstance(body, dict):
+                raise P.bad("the request body must be a JSON object")
+            name = body.get("model") or body.get("name")
+            model = E.resolve_model(name if isinstance(name, str) else None, self.config.model_names, ollama=True)
+        except P.APIError as e:
+            return self._ollama_error(e)
+        fmt = fim.detect(self._tokenizer)
+        config = getattr(getattr(self.backend, "target", None), "config", None)
+        ctx = getattr(config, "max_position_embeddings", None)
+        arch = self._architecture() or "dflash"
+        info: dict[str, Any] = {"general.architecture": arch}
+        if isinstance(ctx, int):
+            info[f"{arch}.context_length"] = ctx
+        card = self._ollama_model(model)
+        self.metrics.request("ollama", 200)
+        return JSONResponse(
+            {
+                "modelfile": f"# served by dflash serve\nFROM {model}\n",
+                "parameters": f"num_ctx {ctx}" if isinstance(ctx, int) else "",
+                "template": fim.ollama_template(fmt),
+                "details": card["details"],
+                "model_info": info,
+                "capabilities": ["completion", "insert"] if fmt is not None else ["completion"],
+                "modified_at": card["modified_at"],
+            }
+        )
+
+    async def ollama_tags(self, request: Request) -> Response:
+        try:
+            self._auth(request)
+        except P.APIError as e:
+            return self._ollama_error(e)
+        self.metrics.request("ollama", 200)
+        return JSONResponse({"models": [self._ollama_model(n) for n in self.config.model_names]})
+
+    async def ollama_version(self, _request: Request) -> Response:
+        return JSONResponse({"version": E.OLLAMA_API_VERSION})
+
+
+def event_prompt(event: DecodeEvent) -> int:
+    """Prompt tokens, known from the first event of a generation (0 after it)."""
+    return event.prompt_tokens if isinstance(event, PrefillDone) else 0
+ENDPOINTS = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/v1/models": "models",
+    "/infill": "infill",
+    "/completion": "completion",
+    "/api/generate": "ollama",
+    "/api/show": "ollama",
+    "/api/tags": "ollama",
+}
 
 
 class _Contain:

@@ -2,7 +2,9 @@
 builders, OpenAI-style errors.
 
 Extensions (ignored by OpenAI clients):
-  request  ``top_k``, ``ignore_eos``, ``stop_token_ids`` (as in vLLM/SGLang) and
+  request  ``suffix`` on ``/v1/completions`` (fill in the middle: the prompt is the text before the
+           hole, laid out with the target's FIM tokens by ``runtime.fim``);
+           ``top_k``, ``ignore_eos``, ``stop_token_ids`` (as in vLLM/SGLang) and
            ``dflash: {"decoder": "dflash"|"ar", "block_size": n, "verify_length": k, "tree_budget": B,
            "lookup": L}``.
   response ``dflash: {"stats": GenerationStats, "queue": {...}}``; every streamed chunk carries the
@@ -82,6 +84,7 @@ class ParsedRequest:
     messages: tuple[dict[str, str], ...] = ()
     prompt: str | None = None
     prompt_ids: tuple[int, ...] | None = None
+    suffix: str | None = None  # /v1/completions fill-in-the-middle: ``prompt`` is the prefix
 
 
 # -- request schema (pydantic, strict: "1" is not a number, true is not an integer) -------------
@@ -195,7 +198,11 @@ class _Request(_Schema):
         checks = [
             ("logprobs", bool(self.logprobs or self.top_logprobs), "logprobs are not supported by dflash serve"),
             ("echo", bool(self.echo), "'echo' is not supported by dflash serve"),
-            ("suffix", bool(self.suffix), "'suffix' (fill-in-the-middle) is not supported by dflash serve"),
+            (
+                "suffix",
+                bool(self.suffix) and not isinstance(self, CompletionRequest),
+                "'suffix' (fill-in-the-middle) is a /v1/completions field",
+            ),
             ("tools", bool(self.tools or self.functions), "tools and functions are not supported by dflash serve"),
             ("logit_bias", bool(self.logit_bias), "'logit_bias' is not supported by dflash serve"),
             ("n", self.n not in (None, 1), "only n=1 is supported (the runtime generates one sequence at a time)"),
@@ -222,6 +229,15 @@ class CompletionRequest(_Request):
     """A ``/v1/completions`` body (``prompt``: text, token ids, or a batch of one)."""
 
     prompt: Text | Annotated[list[TokenId], Field(min_length=1)] | list[Text] | list[list[TokenId]]
+    suffix: Text | None = None  # fill in the middle: the prompt is the text before the hole
+
+    @model_validator(mode="after")
+    def _fim(self) -> CompletionRequest:
+        if isinstance(self.prompt, str) and not self.prompt.strip() and not self.suffix:
+            raise bad("'prompt': must not be empty", "prompt", "empty_prompt")
+        if self.suffix and not isinstance(self.prompt, str):
+            raise bad("'suffix' needs a text prompt (the text before the hole), not token ids", "suffix")
+        return self
 
     @field_validator("prompt")
     @classmethod
@@ -230,8 +246,6 @@ class CompletionRequest(_Request):
             if len(v) != 1:
                 raise PydanticCustomError("batch", "batched prompts are not supported: send one prompt per request")
             v = v[0]
-        if isinstance(v, str) and not v.strip():
-            raise PydanticCustomError("empty", "must not be empty")
         if isinstance(v, list) and not v:
             raise PydanticCustomError("empty", "must be a non-empty string or a list of token ids")
         return v
@@ -287,12 +301,14 @@ def parse_request(
     messages: tuple[dict[str, str], ...] = ()
     prompt: str | None = None
     prompt_ids: tuple[int, ...] | None = None
+    suffix: str | None = None
     if isinstance(r, ChatRequest):
         messages = tuple({"role": ROLES[m.role], "content": m.text()} for m in r.messages)
     else:
         assert isinstance(r, CompletionRequest)
         if isinstance(r.prompt, str):
             prompt = r.prompt
+            suffix = r.suffix or None
         else:
             prompt_ids = tuple(int(x) for x in r.prompt)  # type: ignore[arg-type]
     max_tokens = r.max_completion_tokens or r.max_tokens or limits.max_tokens
@@ -326,6 +342,7 @@ def parse_request(
         messages=messages,
         prompt=prompt,
         prompt_ids=prompt_ids,
+        suffix=suffix,
     )
 
 
