@@ -3,7 +3,7 @@
 ``/api/generate``, ``/api/show``, ``/api/tags``, ``/api/version`` (Continue, twinny).
 
 Field names and meanings follow llama.cpp's server README (tools/server/README.md) and Ollama's
-API docs (docs/api.md). What maps onto dflash's decoding is applied (``n_predict``/``num_predict``,
+API reference (its repository's api page). What maps onto dflash's decoding is applied (``n_predict``/``num_predict``,
 ``stop``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``samplers``, ``t_max_predict_ms``,
 ``n_indent``, ``response_fields``, ``n_cmpl``); what has no counterpart here is accepted and has
 no effect (``cache_prompt``, ``id_slot``, ``t_max_prompt_ms``, ``min_p``, ``num_ctx``, ...).
