@@ -162,7 +162,11 @@ class DecodeOptions:
             (``DEFAULT_LOOKUP``).
         confidence_cut: with the device's adaptive plan, size each step's draft tree by the
             drafter's own confidence, keeping only the nodes worth their verify cost
-            (``tree_budget.ConfidenceCut``); None: on unless DFLASH_CONFIDENCE_CUT is 0.
+            (``runtime.engine.confidence``); None: on (the CLI's default also reads
+            DFLASH_CONFIDENCE_CUT).
+        cache_prompt: reuse the prompt cache's caches for the prefix this prompt shares with an
+            earlier request (``runtime.engine.prompt_cache``); False reads the whole prompt.
+        slot: the prompt cache's slot (None: the one sharing the longest prefix).
     """
 
     decoder: str = "dflash"
@@ -171,6 +175,8 @@ class DecodeOptions:
     tree_budget: int | None = None
     lookup: int | None = None
     confidence_cut: bool | None = None
+    cache_prompt: bool = True
+    slot: int | None = None
 
     def __post_init__(self) -> None:
         if self.decoder not in ("dflash", "ar"):
@@ -181,5 +187,7 @@ class DecodeOptions:
             raise ConfigError(f"verify length must be >= 0, got {self.verify_length}")
         if self.tree_budget is not None and not (0 <= self.tree_budget <= MAX_TREE_BUDGET):
             raise ConfigError(f"tree budget must be in [0, {MAX_TREE_BUDGET}] (0 = chain), got {self.tree_budget}")
+        if self.slot is not None and self.slot < 0:
+            raise ConfigError(f"slot must be >= 0, got {self.slot}")
         if self.lookup is not None and not (0 <= self.lookup <= MAX_LOOKUP):
             raise ConfigError(f"lookup length must be in [0, {MAX_LOOKUP}] (0 = off), got {self.lookup}")

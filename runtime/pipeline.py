@@ -26,6 +26,7 @@ from runtime.engine.drafter import DFlashDraftModel, DraftModelConfig, load_draf
 from runtime.engine.events import DecodeEvent
 from runtime.engine.lean_target import LeanTarget, lean_supported
 from runtime.engine.linear import activations_in, all_linears_packed, int8_linears, pack_linears
+from runtime.engine.prompt_cache import PromptCache
 from runtime.engine.target import TargetModel
 from runtime.errors import ConfigError, InputError, ModelLoadError, UnsupportedModelError
 from runtime.models import embedded, presets
@@ -253,6 +254,8 @@ class Pipeline:
         self.quantization: str | None = None  # weight-only scheme of the target (runtime.quantize.schemes)
         # the confidence cut's calibration of this pair's drafter, shared by every request
         self.hit_rates = HitRates()
+        # the caches of this pair's last requests, reused for the prefix a new prompt shares with them
+        self.prompt_cache: PromptCache | None = PromptCache()
 
     # -- prompts -----------------------------------------------------------------------------
     @property
@@ -331,6 +334,7 @@ class Pipeline:
             opts or DecodeOptions(),
             costs=self.costs,
             hit_rates=self.hit_rates,
+            prompt_cache=self.prompt_cache,
             stop_token_ids=self.stop_token_ids,
             target_name=self.pair.target_name,
         )

@@ -19,7 +19,7 @@ candidates, then the choices. See ``docs/decoding.md``.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from typing import NamedTuple
 
 import torch
@@ -30,10 +30,11 @@ from runtime.engine.confidence import RANKS
 from runtime.engine.decoder import CancelToken, StatsRecorder
 from runtime.engine.detok import TextAssembler, TokenizerLike
 from runtime.engine.drafts import DeviceChain, HostTree
-from runtime.engine.events import DecodeEvent, Finished, PrefillDone, TokenStatus
+from runtime.engine.events import DecodeEvent, Finished, FinishReason, PrefillDone, TokenStatus
 from runtime.engine.guards import ensure_finite_logits
 from runtime.engine.lookup import ContextLookup
 from runtime.engine.ngram import NgramIndex
+from runtime.engine.prompt_cache import CachedState, PromptCache, Reuse
 from runtime.engine.sampling import sample
 from runtime.engine.step import Planner, Proposer, RequestContext, StepOutcome
 from runtime.engine.target import TargetModel
@@ -70,6 +71,9 @@ class SpeculativeDecoder:
         lookup: most tokens per step the context lookup grafts onto the step's tree (0: off;
             needs a planner whose steps are host trees).
         lookup_ngram: (shortest, longest) suffix the lookup matches.
+        prompt_cache: the pair's prompt cache (``runtime.engine.prompt_cache``): the request reuses
+            a slot's caches for the prefix its prompt shares with them and leaves its own there.
+        slot: the prompt cache's slot to use (None: the one sharing the longest prefix).
     """
 
     def __init__(
@@ -82,6 +86,8 @@ class SpeculativeDecoder:
         stop_token_ids: Sequence[int] = (),
         lookup: int = 0,
         lookup_ngram: tuple[int, int] = (2, 4),
+        prompt_cache: PromptCache | None = None,
+        slot: int | None = None,
     ) -> None:
         if planner.max_depth > 0 and proposer is None:
             raise ConfigError(f"block size {planner.max_depth + 1} needs a drafter; use --decoder ar or name a drafter")
@@ -95,6 +101,7 @@ class SpeculativeDecoder:
         self.name = "dflash" if proposer is not None else "ar"
         self.stop_token_ids = frozenset(int(i) for i in stop_token_ids)
         self.lookup, self.lookup_ngram = lookup, lookup_ngram
+        self.prompt_cache, self.slot = prompt_cache, slot
 
     @property
     def tree_budget(self) -> int:
@@ -179,16 +186,43 @@ class SpeculativeDecoder:
 
     @torch.inference_mode()
     def _stream(self, prompt: list[int], params: SamplingParams, cancel: CancelToken | None) -> Iterator[DecodeEvent]:
+        request = self._begin(prompt, params)
+        cache, key = self.prompt_cache, self.proposer.state_key if self.proposer is not None else None
+        reuse = cache.take(prompt, key, self.target.crop, self.slot) if cache is not None else None
+        ctx: RequestContext | None = None
+        kept = False
+        try:
+            ctx, rec, reason = yield from self._prefill(prompt, params, request, reuse)
+            yield from self._decode(ctx, rec, reason, params, request, cancel)
+            kept = True
+        except GeneratorExit:  # the consumer stopped at a yield, where the caches are consistent
+            kept = True
+            raise
+        finally:
+            if cache is not None and reuse is not None:
+                state = None
+                if kept and ctx is not None:
+                    state = CachedState(ctx.committed[:-1], ctx.t_cache, ctx.d_cache, ctx.pending, key)
+                cache.put(reuse.slot, state)
+
+    def _prefill(
+        self, prompt: list[int], params: SamplingParams, request: _Request, reuse: Reuse | None
+    ) -> Generator[DecodeEvent, None, tuple[RequestContext, StatsRecorder, FinishReason | None]]:
+        """The target on the prompt (what the cache does not hold) and the first token; yields
+        ``PrefillDone``, returns the request's context, its stats and whether it already ended."""
         target, device = self.target, self.target.device
         n_prompt = len(prompt)
-        gen, asm, max_new, limit, commit = self._begin(prompt, params)
+        gen, _, max_new, _, commit = request
         rec = StatsRecorder(n_prompt, self.block_size, self.name, tree_budget=self.tree_budget, lookup=self.lookup)
         capture = self.proposer is not None
-
-        # 1. Prefill: the target on the prompt (features of every position for the drafter), first token.
         room = n_prompt + max_new + max(self.block_size, self.planner.max_nodes) + self.lookup + 2
-        ctx = RequestContext(list(prompt), device, target.new_cache(capacity=room))
-        ids = torch.tensor([prompt], dtype=torch.long, device=device)  # [1, P]
+        state = reuse.state if reuse is not None else None
+        cached = reuse.cached if reuse is not None and state is not None else 0
+        if state is not None:
+            ctx = RequestContext(list(prompt), device, state.t_cache, state.d_cache, state.pending)
+        else:
+            ctx = RequestContext(list(prompt), device, target.new_cache(capacity=room))
+        ids = torch.tensor([prompt[cached:]], dtype=torch.long, device=device)  # [1, P - cached]
         logits, feats = target.forward(ids, ctx.t_cache, logits_to_keep=1, capture=capture)
         ensure_finite_logits(logits[-1:], target)  # garbage weights: exit 4 naming the folder, not `0 0 0 ...`
         first_t = sample(logits[-1:], params, gen)
@@ -197,12 +231,27 @@ class SpeculativeDecoder:
         ttft = time.perf_counter() - rec.t0
         events, reason = commit([first], [TokenStatus.TARGET], last=max_new <= 1)
         rec.prefill(ttft, len(events))
-        yield PrefillDone(prompt_tokens=n_prompt, seconds=ttft, tokens=tuple(events))
-
+        rec.cached = cached
         ctx.committed.append(first)
         ctx.anchor_on_device = first_t
         if self.proposer is not None:
             self.proposer.begin(ctx, room, feats)
+        yield PrefillDone(prompt_tokens=n_prompt, seconds=ttft, tokens=tuple(events), tokens_cached=cached)
+        return ctx, rec, reason
+
+    def _decode(
+        self,
+        ctx: RequestContext,
+        rec: StatsRecorder,
+        reason: FinishReason | None,
+        params: SamplingParams,
+        request: _Request,
+        cancel: CancelToken | None,
+    ) -> Iterator[DecodeEvent]:
+        """The decode steps after the prefill, then ``Finished``."""
+        target = self.target
+        gen, asm, max_new, limit, commit = request
+        capture = self.proposer is not None
         lookup = ContextLookup(self.lookup, self.lookup_ngram) if self.lookup else None
         ctx.index = self._index(lookup)
         while reason is None:

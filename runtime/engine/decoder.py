@@ -57,6 +57,7 @@ class StatsRecorder:
         self.tree_budget = tree_budget
         self.lookup = lookup
         self.copied = 0
+        self.cached = 0  # prompt tokens taken from the prompt cache
         self.prompt_tokens = prompt_tokens
         self.block_size = block_size
         self.decoder = decoder
@@ -97,4 +98,5 @@ class StatsRecorder:
             tree_budget=self.tree_budget,
             lookup=self.lookup,
             copied_tokens=self.copied,
+            tokens_cached=self.cached,
         )

@@ -52,11 +52,13 @@ class PrefillDone:
         seconds: time to first token (prefill + first sample), device-synchronised.
         tokens: the first generated token (status TARGET); empty if it was a stop token only
             visible as the end of the generation.
+        tokens_cached: leading prompt tokens taken from the prompt cache (not read again).
     """
 
     prompt_tokens: int
     seconds: float
     tokens: tuple[TokenEvent, ...]
+    tokens_cached: int = 0
 
     type: Literal["prefill"] = field(default="prefill", init=False)
 
@@ -172,6 +174,7 @@ class GenerationStats:
         lookup: most context tokens copied per step into the tree (0: lookup off).
         copied_tokens: accepted tokens that only the context lookup proposed (the drafter's tree
             did not hold them); included in ``accepted_tokens``.
+        tokens_cached: leading prompt tokens taken from the prompt cache (the prefill read the rest).
     """
 
     prompt_tokens: int
@@ -187,6 +190,7 @@ class GenerationStats:
     tree_budget: int = 0
     lookup: int = 0
     copied_tokens: int = 0
+    tokens_cached: int = 0
 
     @property
     def verify_steps(self) -> int:
@@ -246,6 +250,7 @@ class GenerationStats:
             "tree_budget": self.tree_budget,
             "lookup": self.lookup,
             "copied_tokens": self.copied_tokens,
+            "tokens_cached": self.tokens_cached,
             "decoder": self.decoder,
             "acceptance": self.acceptance.to_json(),
         }
@@ -277,6 +282,7 @@ class GenerationStats:
             tree_budget=int(d.get("tree_budget") or 0),
             lookup=int(d.get("lookup") or 0),
             copied_tokens=int(d.get("copied_tokens") or 0),
+            tokens_cached=int(d.get("tokens_cached") or 0),
         )
 
 
@@ -313,6 +319,7 @@ def event_to_json(event: DecodeEvent) -> dict[str, Any]:
         return {
             "type": "prefill",
             "prompt_tokens": event.prompt_tokens,
+            "tokens_cached": event.tokens_cached,
             "ttft": event.seconds,
             "tokens": [t.to_json() for t in event.tokens],
         }
@@ -348,6 +355,7 @@ def event_from_json(d: Mapping[str, Any]) -> DecodeEvent:
             prompt_tokens=int(d.get("prompt_tokens", 0)),
             seconds=float(d.get("ttft", 0.0)),
             tokens=tuple(TokenEvent.from_json(t) for t in d.get("tokens", [])),
+            tokens_cached=int(d.get("tokens_cached") or 0),
         )
     if kind == "block":
         tokens = tuple(TokenEvent.from_json(t) for t in d.get("tokens", []))

@@ -39,10 +39,20 @@ class DrafterProposer:
         self.ngram = drafter.dflash.copy_ngram  # the copy inputs' n-gram sizes, or None
         self._sliding = any(cast(DraftLayer, layer).self_attn.sliding_window for layer in drafter.layers)
 
+    @property
+    def state_key(self) -> int:
+        """Which drafter's state a request's drafter cache is (the prompt cache matches on it)."""
+        return id(self.drafter)
+
     def begin(self, ctx: RequestContext, room: int, feats: torch.Tensor | None) -> None:
-        """A drafter cache for ``room`` positions, the prompt's features pending, reused buffers."""
+        """A drafter cache for ``room`` positions (or the one the prompt cache gave ``ctx``), the
+        prefilled features pending after what it held, reused buffers."""
         device = self.target.device
-        ctx.d_cache = DraftKVCache(len(self.drafter.layers), capacity=room)
+        if ctx.d_cache is None:
+            ctx.d_cache = DraftKVCache(len(self.drafter.layers), capacity=room)
+            ctx.pending = None
+        if ctx.pending is not None and feats is not None:
+            feats = torch.cat([ctx.pending, feats], dim=1)
         ctx.pending = feats
         ctx.scratch["block"] = torch.full((1, self.block_size), self.mask_id, dtype=torch.long, device=device)
         ctx.scratch["positions"] = torch.arange(room + self.block_size, device=device)

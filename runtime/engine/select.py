@@ -18,6 +18,7 @@ from runtime.engine.decode import SpeculativeDecoder
 from runtime.engine.detok import TokenizerLike
 from runtime.engine.drafter import DFlashDraftModel
 from runtime.engine.plan import AdaptivePlanner, FixedPlanner
+from runtime.engine.prompt_cache import PromptCache
 from runtime.engine.propose import DrafterProposer
 from runtime.engine.step import Planner, Proposer
 from runtime.engine.target import TargetModel
@@ -129,6 +130,7 @@ def select_decoder(
     *,
     costs: VerifyCosts | None = None,
     hit_rates: HitRates | None = None,
+    prompt_cache: PromptCache | None = None,
     stop_token_ids: Sequence[int] = (),
     target_name: str = "the target",
 ) -> SpeculativeDecoder:
@@ -144,10 +146,28 @@ def select_decoder(
     Args:
         costs: the measured verify costs of this pair on this device (``runtime.engine.calibrate``).
         hit_rates: the confidence cut's calibration kept by the pair across requests.
+        prompt_cache: the pair's prompt cache (used unless ``opts.cache_prompt`` is False or the
+            target has sliding-window layers, whose caches cannot be cropped).
 
     Raises:
         ConfigError: speculation asked for without a drafter, or a tree the target cannot verify.
     """
+    decoder = _select(target, drafter, tokenizer, opts, costs, hit_rates, stop_token_ids, target_name)
+    if prompt_cache is not None and opts.cache_prompt and not has_sliding_layers(target.config):
+        decoder.prompt_cache, decoder.slot = prompt_cache, opts.slot
+    return decoder
+
+
+def _select(
+    target: TargetModel,
+    drafter: DFlashDraftModel | None,
+    tokenizer: TokenizerLike | None,
+    opts: DecodeOptions,
+    costs: VerifyCosts | None,
+    hit_rates: HitRates | None,
+    stop_token_ids: Sequence[int],
+    target_name: str,
+) -> SpeculativeDecoder:
     plain = opts.decoder == "ar" or opts.block_size == 1
     if plain or (drafter is None and opts.block_size is None and opts.verify_length is None):
         return plain_decoder(target, tokenizer, stop_token_ids=stop_token_ids)

@@ -179,8 +179,14 @@ class Planner(Protocol):
 class Proposer(Protocol):
     """Scores the block's slots after the anchor in one forward."""
 
+    @property
+    def state_key(self) -> int:
+        """Identifies the model whose per-request state (``RequestContext.d_cache``) it keeps."""
+        ...
+
     def begin(self, ctx: RequestContext, room: int, feats: torch.Tensor | None) -> None:
-        """Set up a request: ``room`` positions it may reach, the prompt's target features."""
+        """Set up a request: ``room`` positions it may reach, the prefilled target features (after
+        what a reused ``ctx.d_cache`` / ``ctx.pending`` from the prompt cache already hold)."""
         ...
 
     def chain(self, ctx: RequestContext, depth: int) -> torch.Tensor:
