@@ -121,6 +121,15 @@ ConfidenceCutOpt = Annotated[
         "their cost (default: on; --no-confidence-cut or DFLASH_CONFIDENCE_CUT=0 verifies the plan).",
     ),
 ]
+CacheSlotsOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--cache-slots",
+        min=0,
+        help="Contexts the prompt cache keeps (a request reads only what its prompt does not share with "
+        "one of them); 0 turns it off (default: 4).",
+    ),
+]
 DecoderOpt = Annotated[DecoderChoice, typer.Option("--decoder", help="dflash (speculative) or ar (plain).")]
 ServerOpt = Annotated[
     str | None,
@@ -224,6 +233,7 @@ def session_options(
     server: str | None = None,
     decode: DecodeOptions | None = None,
     engine: str | None = None,
+    cache_slots: int | None = None,
 ) -> SessionOptions:
     """The runtime's ``SessionOptions`` from the shared flags and the environment (the one place
     where the CLI turns options into what ``runtime.session.open_backend`` takes).
@@ -256,6 +266,7 @@ def session_options(
         server=server,
         api_key=api_key_from_env() if server else None,
         decode=decode or DecodeOptions(),
+        **({"cache_slots": cache_slots} if cache_slots is not None else {}),
         usage_log=usage_log_path(),
         calibration_file=data_home() / "calibration.json",
     )

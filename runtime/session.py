@@ -19,6 +19,7 @@ from pathlib import Path
 from runtime.backend import Backend
 from runtime.client.remote import RemoteBackend
 from runtime.config import DecodeOptions, RuntimeConfig
+from runtime.engine.prompt_cache import DEFAULT_SLOTS, PromptCache
 from runtime.errors import ConfigError
 from runtime.pipeline import LoadOptions, ModelRef, Pipeline, load_pipeline
 
@@ -41,6 +42,7 @@ class SessionOptions:
         decode: the decode options requests will use (checked against a remote server up front).
         usage_log: JSON file where model use is remembered (None: not remembered).
         calibration_file: JSON file caching measured verify costs (None: not calibrated).
+        cache_slots: contexts the prompt cache keeps (``runtime.engine.prompt_cache``; 0: no cache).
     """
 
     model: str | None = None
@@ -62,8 +64,11 @@ class SessionOptions:
     decode: DecodeOptions = field(default_factory=DecodeOptions)
     usage_log: Path | None = None
     calibration_file: Path | None = None
+    cache_slots: int = DEFAULT_SLOTS
 
     def __post_init__(self) -> None:
+        if self.cache_slots < 0:
+            raise ConfigError(f"--cache-slots must be >= 0 (0 = no prompt cache), got {self.cache_slots}")
         if self.server and (self.target or self.drafter):
             raise ConfigError("--server excludes --target/--drafter: the server decides the models")
         _ = self.runtime  # device, dtype and threads are checked now, before anything loads
@@ -140,6 +145,7 @@ def open_pipeline(opts: SessionOptions, progress: Progress | None = None) -> Pip
         ModelNotFoundError, ModelLoadError, IncompatibleDraftError, ConfigError: see ``load_pipeline``.
     """
     pipe = load_pipeline(opts.ref, opts.runtime, opts.load, progress=progress)
+    pipe.prompt_cache = PromptCache(opts.cache_slots) if opts.cache_slots else None
     if opts.usage_log is not None:
         remember_use(pipe, opts.usage_log, opts.model)
     if opts.calibration_file is not None:

@@ -119,9 +119,9 @@ def dflash_rows(args: argparse.Namespace, prompt_texts: list[str]) -> list[dict[
         for method in ("ar", "dflash", *fixed):
             name, _, k = method.partition("@")
             if k == "lookup0":  # the runtime's choice without the context lookup
-                dopts = DecodeOptions(decoder=name, lookup=0)
+                dopts = DecodeOptions(decoder=name, lookup=0, cache_prompt=False)
             else:
-                dopts = DecodeOptions(decoder=name, verify_length=int(k) if k else None)
+                dopts = DecodeOptions(decoder=name, verify_length=int(k) if k else None, cache_prompt=False)
             speeds, taus, verify, steps, committed = [], [], 0, 0, 0.0
             outs = []
             for i, p in enumerate([ids[0], *ids]):

@@ -122,3 +122,20 @@ def test_no_cache_reads_the_whole_prompt(pipe):
     assert uncached(pipe, ids, MODES["auto"], n=4)[1] == 0
     pipe.prompt_cache = None
     assert run(pipe, ids, MODES["auto"], n=4)[1] == 0
+
+
+def test_a_two_turn_chat_reads_only_the_new_message(pipe):
+    """The chat template's second turn repeats the first turn and its answer: the cache holds them,
+    and the prefill reads the new message (and the template's few tokens around it)."""
+    pipe.prompt_cache = PromptCache(2)
+    u1 = {"role": "user", "content": "Write a function that adds two numbers."}
+    a1 = {"role": "assistant", "content": "def add(a, b):\n    return a + b"}
+    u2 = {"role": "user", "content": "Now one that subtracts them, with a docstring."}
+    text = pipe.tokenizer.apply_chat_template([u1, a1], tokenize=False)
+    first = list(pipe.tokenizer.encode(text, add_special_tokens=False))  # what turn 1 left in the cache
+    run(pipe, first, MODES["auto"], n=4)
+    second = pipe.encode_messages([u1, a1, u2])
+    (out, _), cached = run(pipe, second, MODES["auto"])
+    assert cached >= len(first) - 2  # the whole first turn (the template may end it differently)
+    assert len(second) - cached <= len(pipe.encode(u2["content"], chat=False)) + 20  # + the template around it
+    assert out == uncached(pipe, second, MODES["auto"])[0][0]

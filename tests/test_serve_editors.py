@@ -265,3 +265,65 @@ def test_real_pair_infill_and_completion(tmp_path_factory):
         # special tokens in a raw /completion prompt are parsed: the same prompt, the same greedy text
         assert chunks[-1]["tokens_evaluated"] == body["tokens_evaluated"]
         assert "".join(c["content"] for c in chunks) == body["content"]
+
+
+def test_real_pair_llama_vim_sequence_reads_only_the_edited_tail(tmp_path_factory):
+    """llama.vim: warm the cache with ``n_predict: 0`` when a file opens, then one completion per
+    keystroke on the same file: each request after the first reads only what changed, and a cached
+    request answers what an uncached one does."""
+    from runtime import ModelRef, RuntimeConfig, load_pipeline
+    from tests.fakes import save_pair
+
+    t, d = save_pair(tmp_path_factory.mktemp("fimcache"), block_size=4, fim="qwen")
+    pipe = load_pipeline(ModelRef(target=str(t), drafter=str(d)), RuntimeConfig(device="cpu", dtype="float32"))
+    before = "import os\nimport sys\n\n\ndef main(argv):\n    path = os.getcwd()\n"
+    after = "\n\nif __name__ == '__main__':\n    main(sys.argv)\n"
+    fields = ["content", "tokens_cached", "timings/prompt_n", "timings/cache_n", "tokens_evaluated"]
+    with ThreadServer(create_app(pipe, ServeConfig(model_names=("tiny",)))) as srv:
+        warm = {"input_prefix": before, "input_suffix": after, "prompt": "", "n_predict": 0, "cache_prompt": True,
+                "input_extra": EXTRA, "response_fields": fields}
+        status, body = post(srv.url + "/infill", warm)
+        assert status == 200 and body["content"] == ""
+        typed = {**warm, "prompt": "    print(", "n_predict": 8, "temperature": 0, "t_max_predict_ms": 500}
+        status, first = post(srv.url + "/infill", typed)
+        assert status == 200 and set(first) == set(fields)  # flattened response_fields honoured
+        # the warm-up held the extra file and the text before the cursor line: only the tail is read
+        assert first["tokens_cached"] > 0 and first["timings/cache_n"] == first["tokens_cached"]
+        assert first["timings/prompt_n"] == first["tokens_evaluated"] - first["tokens_cached"]
+        assert first["timings/prompt_n"] < first["tokens_evaluated"] // 2
+        # the next keystroke: one more character on the cursor line (llama.cpp's layout puts it before
+        # the suffix, so the suffix is read again; the extra files and the lines above are not)
+        status, second = post(srv.url + "/infill", {**typed, "prompt": "    print(p"})
+        assert status == 200 and second["tokens_cached"] >= first["tokens_cached"]
+        assert second["timings/prompt_n"] == second["tokens_evaluated"] - second["tokens_cached"]
+        status, fresh = post(srv.url + "/infill", {**typed, "prompt": "    print(p", "cache_prompt": False})
+        assert status == 200 and fresh["tokens_cached"] == 0 and fresh["content"] == second["content"]
+
+
+def test_a_newer_request_for_the_same_slot_supersedes_the_running_one(tok):
+    """Editors send one request per keystroke: the newer ``/infill`` cancels the one still running."""
+    import threading
+
+    backend, srv = serve(tok, blocks=BLOCKS * 20, delay=0.05)
+    with srv:
+        out: dict[str, object] = {}
+
+        def old() -> None:
+            out["old"] = post(srv.url + "/infill", {"input_prefix": PREFIX, "input_suffix": SUFFIX, "n_predict": 60})
+
+        th = threading.Thread(target=old)
+        th.start()
+        for _ in range(200):  # wait until the old one runs
+            if backend.calls:
+                break
+            threading.Event().wait(0.01)
+        status, new = post(srv.url + "/infill", {"input_prefix": PREFIX + "x", "input_suffix": SUFFIX, "n_predict": 3})
+        th.join(10)
+        assert status == 200 and new["stop_type"] == "limit"
+        old_status, old_body = out["old"]
+        assert old_status == 200 and old_body["stop_type"] == "none"  # cancelled after its current step
+        assert old_body["tokens_predicted"] < 60
+        # a different id_slot is another editor: it does not cancel
+        status, a = post(srv.url + "/infill", {"input_prefix": PREFIX, "input_suffix": SUFFIX, "n_predict": 3,
+                                               "id_slot": 1})
+        assert status == 200 and a["stop_type"] == "limit"

@@ -669,3 +669,24 @@ def test_transcript_colours_come_from_the_theme():
     er, eg, eb = _fill(f"fill: {variables['text-error'].lower()}")
     assert r > g and r > b and er > eg and er > eb  # the error hue, dimmed towards the background
     assert all("line-through" in c for c in styles["rejected draft"])
+
+
+def test_a_turn_whose_prompt_the_cache_held_says_how_much():
+    events = scripted_events()
+    first = events[0]
+    assert isinstance(first, PrefillDone)
+    events[0] = dataclasses.replace(first, prompt_tokens=40, tokens_cached=31)
+    backend = FakeBackend(ReplayDecoder(events), ReplayDecoder(scripted_events()))
+
+    async def body():
+        app = app_for(backend)
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(pilot)
+            await send(pilot, "go")
+            assert "31/40 cached" in app.stats_bar.current_line().plain
+            assert "(31/40 prompt tokens cached)" in app.summary(app.tracker)
+            await send(pilot, "again")  # nothing cached: nothing said
+            assert "cached" not in app.stats_bar.current_line().plain
+            assert "cached" not in app.summary(app.tracker)
+
+    run(body())

@@ -335,6 +335,8 @@ class ChatApp(App[None]):
             f"{tracker.generated_tokens} tok · {tracker.tokens_per_second:.1f} tok/s"
             f" · TTFT {tracker.ttft_seconds * 1000:.0f} ms"
         )
+        if tracker.tokens_cached:  # the prompt cache held the conversation so far
+            line += f" ({tracker.tokens_cached}/{tracker.prompt_tokens} prompt tokens cached)"
         if tracker.drafted:
             line += f" · τ {tracker.tau:.2f} · accept {tracker.acceptance_rate * 100:.0f}%"
         if tracker.copied:

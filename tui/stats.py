@@ -47,6 +47,7 @@ class GenerationTracker:
         origin: the events say what was drafted and accepted (False for servers that stream plain
             text: their blocks are text chunks, and the speculative counts come from the final stats).
         prompt_tokens: prompt length (from ``PrefillDone``).
+        tokens_cached: leading prompt tokens the prompt cache held (not read again).
         ttft: time to first token in seconds.
         seconds: device time so far (prefill + every verify step).
         generated: committed tokens so far.
@@ -58,6 +59,7 @@ class GenerationTracker:
     slots: int = 0
     origin: bool = True
     prompt_tokens: int = 0
+    tokens_cached: int = 0
     ttft: float = 0.0
     seconds: float = 0.0
     generated: int = 0
@@ -69,6 +71,7 @@ class GenerationTracker:
         """Fold one event in."""
         if isinstance(event, PrefillDone):
             self.prompt_tokens = event.prompt_tokens
+            self.tokens_cached = event.tokens_cached
             self.ttft = event.seconds
             self.seconds += event.seconds
             self.generated += len(event.tokens)

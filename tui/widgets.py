@@ -415,6 +415,8 @@ class StatsBar(Widget):
             )
         label = "now" if self.running else "last"
         tail = "" if self.running else (f"{g.copied} copied  " if g.copied else "") + f"{g.reason}"
+        if g.tokens_cached:
+            tail = f"{g.tokens_cached}/{g.prompt_tokens} cached  " + tail
         return self._line(
             label,
             g.generated_tokens,

@@ -18,6 +18,7 @@ import typer
 
 from ..common import (
     BlockSizeOpt,
+    CacheSlotsOpt,
     ConfidenceCutOpt,
     DecoderChoice,
     DecoderOpt,
@@ -99,6 +100,7 @@ def chat(
     tree_budget: TreeBudgetOpt = None,
     lookup: LookupOpt = None,
     confidence_cut: ConfidenceCutOpt = None,
+    cache_slots: CacheSlotsOpt = None,
     decoder: DecoderOpt = DecoderChoice.dflash,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = DtypeChoice.auto,
@@ -160,7 +162,20 @@ def chat(
         lookup=lookup,
         confidence_cut=confidence_cut_setting(confidence_cut),
     )
-    session = session_options(model, target, drafter, device, dtype, offline, revision, quantize, threads, server, opts)
+    session = session_options(
+        model,
+        target,
+        drafter,
+        device,
+        dtype,
+        offline,
+        revision,
+        quantize,
+        threads,
+        server,
+        opts,
+        cache_slots=cache_slots,
+    )
     resume_id = _resume_id(resume, db) if resume is not None else None
     if not interactive():
         raise ConfigError(

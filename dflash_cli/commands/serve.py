@@ -21,6 +21,7 @@ import typer
 
 from ..common import (
     BlockSizeOpt,
+    CacheSlotsOpt,
     ConfidenceCutOpt,
     DecoderChoice,
     DecoderOpt,
@@ -195,6 +196,7 @@ def serve(
     tree_budget: TreeBudgetOpt = None,
     lookup: LookupOpt = None,
     confidence_cut: ConfidenceCutOpt = None,
+    cache_slots: CacheSlotsOpt = None,
     decoder: DecoderOpt = DecoderChoice.dflash,
     draft_tokens: Annotated[
         int | None,
@@ -258,7 +260,9 @@ def serve(
         confidence_cut=confidence_cut_setting(confidence_cut),
     )
     api_key = os.environ.get("DFLASH_API_KEY", "").strip() or None
-    session = session_options(model, target, drafter, device, dtype, offline, revision, quantize, threads)
+    session = session_options(
+        model, target, drafter, device, dtype, offline, revision, quantize, threads, cache_slots=cache_slots
+    )
     sock = _bind(host, port)
     try:
         _serve_local(sock, host, session, served_model_name, max_tokens_limit, max_queue, opts, api_key, log_level)

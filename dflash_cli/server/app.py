@@ -387,7 +387,7 @@ class DFlashServer:
         assert self.queue is not None
         watch = E.Watch(job.t_max_predict_ms, job.n_indent)
         try:
-            queued = self.queue.submit(self._editor_start(job, watch, seed), asyncio.get_running_loop())
+            queued = self.queue.submit(self._editor_start(job, watch, seed), asyncio.get_running_loop(), job.supersede)
         except QueueFullError as e:
             return P.APIError(503, f"the server is busy ({e}); retry later", type="server_error", code="server_busy")
         events = queued.events()

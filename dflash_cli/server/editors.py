@@ -6,7 +6,10 @@ Field names and meanings follow llama.cpp's server README (tools/server/README.m
 API reference (its repository's api page). What maps onto dflash's decoding is applied (``n_predict``/``num_predict``,
 ``stop``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``samplers``, ``t_max_predict_ms``,
 ``n_indent``, ``response_fields``, ``n_cmpl``); what has no counterpart here is accepted and has
-no effect (``cache_prompt``, ``id_slot``, ``t_max_prompt_ms``, ``min_p``, ``num_ctx``, ...).
+no effect (``t_max_prompt_ms``, ``min_p``, ``num_ctx``, ...). ``cache_prompt`` (default true) and
+``id_slot`` pick the engine's prompt cache slot; a newer ``/infill`` (or any request naming the same
+``id_slot``) cancels the one still running or waiting, as an editor's next keystroke makes the last
+completion moot.
 """
 
 from __future__ import annotations
@@ -139,6 +142,8 @@ class EditorJob:
         n_indent: stop at a line indented less than this, cutting it (0: off).
         response_fields: keep only these (``a/b`` flattened) keys of a llama.cpp result.
         n_cmpl: completions of the same prompt (seeds seed, seed+1, ...).
+        supersede: a key: a newer request with the same key cancels this one if it still runs or
+            waits (an editor sends one request per keystroke); None: never superseded.
     """
 
     kind: str
@@ -155,6 +160,7 @@ class EditorJob:
     n_indent: int = 0
     response_fields: tuple[str, ...] | None = None
     n_cmpl: int = 1
+    supersede: str | None = None
     return_tokens: bool = False
     settings: dict[str, Any] = field(default_factory=dict)
 
@@ -290,6 +296,9 @@ def parse_llama(
             raise P.bad("'prompt' must be a non-empty string or list of token ids", "prompt", "empty_prompt")
         prompt_ids = tuple(r.prompt)
     params = _sampling(r, LLAMA_DEFAULTS, max_new, stop, samplers, extra_stops)
+    if r.id_slot is not None and r.id_slot < 0:
+        r.id_slot = None  # llama.cpp: -1 = any slot
+    opts = replace(opts, cache_prompt=r.cache_prompt is not False, slot=r.id_slot)
     return EditorJob(
         kind=kind,
         model=model,
@@ -303,6 +312,7 @@ def parse_llama(
         t_max_predict_ms=max(r.t_max_predict_ms or 0, 0),
         n_indent=max(r.n_indent or 0, 0),
         response_fields=tuple(r.response_fields) if r.response_fields else None,
+        supersede=f"slot:{r.id_slot}" if r.id_slot is not None else ("fim" if kind == "infill" else None),
         n_cmpl=n_cmpl,
         return_tokens=bool(r.return_tokens),
         settings={

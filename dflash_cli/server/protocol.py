@@ -370,12 +370,13 @@ def new_id(kind: str) -> str:
     return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
 
 
-def usage(stats: GenerationStats) -> dict[str, int]:
-    """OpenAI usage numbers."""
+def usage(stats: GenerationStats) -> dict[str, Any]:
+    """OpenAI usage numbers (``prompt_tokens_details.cached_tokens``: what the prompt cache held)."""
     return {
         "prompt_tokens": stats.prompt_tokens,
         "completion_tokens": stats.generated_tokens,
         "total_tokens": stats.prompt_tokens + stats.generated_tokens,
+        "prompt_tokens_details": {"cached_tokens": stats.tokens_cached},
     }
 
 

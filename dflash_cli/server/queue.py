@@ -35,12 +35,14 @@ class Job:
     Attributes:
         start: called on the worker thread with the job's cancel token; returns the event stream.
         position: requests ahead of this one when it was queued (0: it started at once).
+        key: a newer job with the same key cancels this one (None: never).
         queued_at, started_at, finished_at: wall-clock times (``time.time()``).
     """
 
     start: StartFn
     loop: asyncio.AbstractEventLoop
     position: int = 0
+    key: str | None = None
     cancel: CancelToken = field(default_factory=CancelToken)
     queued_at: float = field(default_factory=time.time)
     started_at: float | None = None
@@ -103,17 +105,20 @@ class GenerationQueue:
         if self.on_change is not None:
             self.on_change(self._waiting, 1 if self._running is not None else 0)
 
-    def submit(self, start: StartFn, loop: asyncio.AbstractEventLoop) -> Job:
-        """Queue a generation.
+    def submit(self, start: StartFn, loop: asyncio.AbstractEventLoop, key: str | None = None) -> Job:
+        """Queue a generation; with a ``key``, first cancel the running or waiting job that has it
+        (stopped after its current step, or skipped).
 
         Raises:
             QueueFullError: ``max_waiting`` jobs are already waiting.
         """
+        if key is not None:
+            self._supersede(key)
         with self._lock:
             busy = self._running is not None
             if busy and self._waiting >= self.max_waiting:
                 raise QueueFullError(f"{self._waiting} requests are already waiting")
-            job = Job(start=start, loop=loop, position=self._waiting + int(busy))
+            job = Job(start=start, loop=loop, position=self._waiting + int(busy), key=key)
             self._waiting += 1
             self._jobs.put(job)
             self._changed()
@@ -143,6 +148,16 @@ class GenerationQueue:
                     self._running = None
                     self._changed()
                 job._put(_END)
+
+    def _supersede(self, key: str) -> None:
+        """Cancel the running and waiting jobs that have ``key``."""
+        with self._lock:
+            running = self._running
+            with self._jobs.mutex:
+                jobs = [j for j in self._jobs.queue if j is not None]
+        for job in ([running] if running is not None else []) + jobs:
+            if job.key == key:
+                job.cancel.cancel()
 
     def cancel_all(self) -> None:
         """Cancel the running job (it stops after its current step) and every waiting one (skipped)."""

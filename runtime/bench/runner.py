@@ -614,9 +614,10 @@ def run_bench(
     def measure(spec: MethodSpec, ids: Sequence[int], p: SamplingParams) -> PromptRun:
         if spec.method in ("ar", "dflash"):
             opts = (
-                DecodeOptions(decoder="ar")
+                DecodeOptions(decoder="ar", cache_prompt=False)  # every run reads its prompt: comparable TTFT
                 if spec.method == "ar"
                 else DecodeOptions(
+                    cache_prompt=False,
                     block_size=spec.block_size,
                     verify_length=config.verify_length,
                     tree_budget=spec.tree_budget,

@@ -165,8 +165,9 @@ def evaluate(
     params = SamplingParams(max_new_tokens=max_new_tokens)
     # the drafter's own acceptance: no context lookup (its copies would count as the drafter's), and
     # the plan's verify length without the per-step confidence cut (comparable with earlier records)
-    ar_opts, auto_opts = DecodeOptions(decoder="ar"), DecodeOptions(lookup=0, confidence_cut=False)
-    full_opts = DecodeOptions(verify_length=pipeline.block_size - 1)
+    ar_opts = DecodeOptions(decoder="ar", cache_prompt=False)
+    auto_opts = DecodeOptions(lookup=0, confidence_cut=False, cache_prompt=False)
+    full_opts = DecodeOptions(verify_length=pipeline.block_size - 1, cache_prompt=False)
     vocab = getattr(getattr(pipeline, "drafter", None), "draft_vocab_ids", None)
     in_vocab = set(vocab.tolist()) if vocab is not None else None
     warm = encode(pipeline, prompts[0])
