@@ -87,7 +87,7 @@ EngineOpt = Annotated[
     ),
 ]
 MaxTokensOpt = Annotated[int, typer.Option("--max-tokens", "-n", help="Maximum new tokens.")]
-TemperatureOpt = Annotated[float, typer.Option("--temperature", "-t", help="0 = greedy.")]
+TemperatureOpt = Annotated[float, typer.Option("--temperature", "-t", help="0 = greedy; so is anything below 1e-5.")]
 TopPOpt = Annotated[float | None, typer.Option("--top-p", help="Nucleus sampling threshold.")]
 TopKOpt = Annotated[int | None, typer.Option("--top-k", help="Keep the k most likely tokens.")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Sampling seed.")]

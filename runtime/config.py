@@ -19,6 +19,9 @@ DEVICES = ("auto", "cpu", "cuda", "mps")
 MAX_TREE_BUDGET = 1024  # drafted nodes per tree verify
 MAX_LOOKUP = 256  # context tokens copied per step
 DEFAULT_LOOKUP = 16
+# temperatures below this decode greedily (vLLM does the same below its 1e-5, llama.cpp at 0 and below):
+# dividing logits by 1e-40 would overflow to inf, and so small a temperature is the argmax anyway
+GREEDY_BELOW = 1e-5
 
 
 @dataclass(frozen=True)
@@ -26,7 +29,8 @@ class SamplingParams:
     """How to pick tokens and when to stop.
 
     Attributes:
-        temperature: 0 means greedy; > 0 samples from the (filtered) target distribution.
+        temperature: 0 (or anything below ``GREEDY_BELOW``, 1e-5) means greedy; above, samples from
+            the (filtered) target distribution.
         top_k: keep the k most likely tokens (None or 0: off).
         top_p: nucleus filter in (0, 1] (None or 1.0: off).
         seed: seed of the explicit ``torch.Generator`` used for sampling.
@@ -60,8 +64,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """True when decoding is deterministic argmax."""
-        return self.temperature == 0.0
+        """True when decoding is deterministic argmax (a temperature below ``GREEDY_BELOW``)."""
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass(frozen=True)

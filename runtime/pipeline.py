@@ -8,7 +8,6 @@ CLI, the TUI, bench and the server make.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +21,7 @@ from runtime.engine import CancelToken, Decoder, select_decoder
 from runtime.engine.calibrate import VerifyCosts
 from runtime.engine.confidence import HitRates
 from runtime.engine.device import dtype_name, resolve_device, resolve_dtype
-from runtime.engine.drafter import DFlashDraftModel, DraftModelConfig, load_draft_model
+from runtime.engine.drafter import DFlashDraftModel, DraftModelConfig, load_draft_model, read_draft_config
 from runtime.engine.events import DecodeEvent
 from runtime.engine.lean_target import LeanTarget, lean_supported
 from runtime.engine.linear import activations_in, all_linears_packed, int8_linears, pack_linears
@@ -135,12 +134,9 @@ def resolve_pair(ref: ModelRef, opts: LoadOptions, progress: Progress | None = N
 
 
 def read_drafter_config(drafter_dir: Path) -> DraftModelConfig:
-    """Parse a drafter's config.json without loading weights."""
-    path = drafter_dir / "config.json"
-    try:
-        return DraftModelConfig.from_dict(json.loads(path.read_text()), path)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"cannot read drafter config {path}: {e}") from e
+    """Parse a drafter's config.json without loading weights (its schema: the file and field named
+    in every error, ``runtime.engine.drafter.read_draft_config``)."""
+    return read_draft_config(drafter_dir)
 
 
 def read_target_config(target_dir: Path) -> Any:

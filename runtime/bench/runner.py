@@ -33,7 +33,7 @@ from runtime.bench.datasets import Prompt, PromptMode, PromptSet
 from runtime.bench.env import environment
 from runtime.bench.methods import Assistant, PeakMemory, PromptRun, load_assistant, run_decoder, run_generate
 from runtime.bench.pitfalls import BenchWarning, drafter_dtype, drafter_training, drafter_training_length, find_pitfalls
-from runtime.config import MAX_LOOKUP, DecodeOptions, SamplingParams
+from runtime.config import GREEDY_BELOW, MAX_LOOKUP, DecodeOptions, SamplingParams
 from runtime.engine.acceptance import AcceptanceCounts
 from runtime.errors import ConfigError, InputError
 
@@ -146,7 +146,7 @@ class BenchConfig:
     @property
     def greedy(self) -> bool:
         """True when every method decodes greedily (tokens are checked against ``ar``)."""
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     def specs(self) -> list[MethodSpec]:
         """The rows to measure: ``ar`` first, then the other methods in ``METHODS`` order."""

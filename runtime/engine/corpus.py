@@ -99,12 +99,19 @@ class CorpusTable:
         return path
 
     @classmethod
-    def load(cls, folder: Path, ngram: tuple[int, int]) -> CorpusTable:
-        """Read ``corpus.safetensors`` from a drafter folder.
+    def load(cls, folder: Path, ngram: tuple[int, int], vocab_size: int | None = None) -> CorpusTable:
+        """Read ``corpus.safetensors`` from a drafter folder, checking every table.
+
+        Args:
+            folder: the drafter folder.
+            ngram: (shortest, longest) n-gram size the drafter's config declares.
+            vocab_size: the vocabulary the next ids must fall in (None: not checked).
 
         Raises:
             FileNotFoundError: the folder has no corpus file.
-            ValueError: the file lacks a table of one of the sizes.
+            ValueError: the file lacks a table of one of the sizes, or a table does not fit
+                (not 1-D integers, lengths that differ, next ids outside the vocabulary, levels
+                outside ``0..LEVELS - 1``); the message names the file and the tensor.
         """
         from safetensors.torch import load_file
 
@@ -118,9 +125,29 @@ class CorpusTable:
                 keys, nxt, conf = state[f"keys_{n}"], state[f"next_{n}"], state[f"level_{n}"]
             except KeyError as e:
                 raise ValueError(f"{path} has no table for {n}-grams ({e})") from e
+            for name, t, top in (
+                (f"keys_{n}", keys, None),
+                (f"next_{n}", nxt, vocab_size),
+                (f"level_{n}", conf, LEVELS),
+            ):
+                _check_column(path, name, t, len(keys), top)
             pairs = zip(nxt.tolist(), conf.tolist(), strict=True)
             tables[n] = dict(zip(keys.tolist(), pairs, strict=True))
         return cls(ngram, tables)
+
+
+def _check_column(path: Path, name: str, t: torch.Tensor, length: int, top: int | None) -> None:
+    """One tensor of a corpus table: 1-D integers, ``length`` entries, in [0, top) unless ``top`` is None."""
+    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+        raise ValueError(f"{path}: {name} must hold integers, got {str(t.dtype).replace('torch.', '')}")
+    if t.dim() != 1:
+        raise ValueError(f"{path}: {name} must be 1-D, got shape {list(t.shape)}")
+    if t.numel() != length:
+        raise ValueError(f"{path}: {name} has {t.numel()} entries for {length} keys")
+    if top is not None and t.numel():
+        lo, hi = int(t.min()), int(t.max())
+        if lo < 0 or hi >= top:
+            raise ValueError(f"{path}: {name} holds {lo if lo < 0 else hi}, outside [0, {top})")
 
 
 class CorpusCounts:

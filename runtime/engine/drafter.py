@@ -24,6 +24,7 @@ from torch import nn
 
 from runtime.config import DFlashConfig
 from runtime.engine.corpus import CORPUS_FILE, CorpusTable, corpus_rows
+from runtime.engine.drafter_schema import parse_config, read_json_object, read_weight_index
 from runtime.engine.kv_cache import DraftKVCache
 from runtime.errors import ConfigError, ModelLoadError
 
@@ -70,14 +71,15 @@ class DraftModelConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], source: Path | str | None = None) -> DraftModelConfig:
-        """Parse a drafter config.json dict (``dflash_config`` nested or at top level).
+        """Parse a drafter config.json dict (``dflash_config`` nested or at top level) through its
+        schema (``runtime.engine.drafter_schema``).
 
         Args:
             cfg: the parsed config.json.
             source: the file it came from, named in every error.
 
         Raises:
-            ModelLoadError: a required field is missing or malformed.
+            ModelLoadError: a required field is missing or malformed (named).
             ConfigError: a value is out of range (e.g. ``block_size: 0``).
         """
         try:
@@ -86,23 +88,16 @@ class DraftModelConfig:
             if source is None:
                 raise
             raise type(e)(f"{source}: {e}") from None
-        except (KeyError, TypeError, ValueError) as e:
-            where = f"{source}" if source is not None else "drafter config.json"
-            raise ModelLoadError(f"{where}: a field is missing or malformed ({type(e).__name__}: {e})") from None
 
     @classmethod
     def _parse(cls, cfg: dict[str, Any]) -> DraftModelConfig:
-        try:
-            n_layers = int(cfg["num_hidden_layers"])
-            hidden = int(cfg["hidden_size"])
-            heads = int(cfg["num_attention_heads"])
-            nested = cfg.get("dflash_config") or {}
-            mask_id = nested.get("mask_token_id", cfg.get("mask_token_id"))
-            layer_ids = nested.get("target_layer_ids", cfg.get("target_layer_ids"))
-            n_target = cfg.get("num_target_layers", nested.get("num_target_layers"))
-            block = cfg.get("block_size", nested.get("block_size"))
-        except (KeyError, TypeError, ValueError) as e:
-            raise ModelLoadError(f"drafter config.json lacks a required field ({e}); is this a DFlash drafter?") from e
+        c = parse_config(cfg)
+        n_layers = c.num_hidden_layers
+        mask_id = c.shared("mask_token_id")
+        layer_ids = c.shared("target_layer_ids")
+        n_target = c.shared("num_target_layers")
+        block = c.shared("block_size")
+        draft_vocab = c.shared("draft_vocab_size")
         if mask_id is None:
             raise ModelLoadError("drafter config.json has no mask_token_id (dflash_config.mask_token_id)")
         if block is None:
@@ -110,41 +105,46 @@ class DraftModelConfig:
         if layer_ids is None:
             if n_target is None:
                 raise ModelLoadError("drafter config.json has neither target_layer_ids nor num_target_layers")
-            layer_ids = default_target_layer_ids(int(n_target), n_layers)
-        layer_types = cfg.get("layer_types") or ["full_attention"] * n_layers
+            layer_ids = default_target_layer_ids(n_target, n_layers)
+        layer_types = c.layer_types or ["full_attention"] * n_layers
         if len(layer_types) != n_layers:
             raise ModelLoadError(f"drafter layer_types has {len(layer_types)} entries for {n_layers} layers")
-        sliding = cfg.get("sliding_window")
-        draft_vocab = nested.get("draft_vocab_size", cfg.get("draft_vocab_size"))
-        copy_ngram = nested.get("copy_ngram")
-        if copy_ngram is not None and (not isinstance(copy_ngram, list) or len(copy_ngram) != 2):
-            raise ModelLoadError(f"dflash_config.copy_ngram must be [shortest, longest], got {copy_ngram!r}")
-        copy_corpus = nested.get("copy_corpus")
-        if copy_corpus is not None and (not isinstance(copy_corpus, list) or len(copy_corpus) != 2):
-            raise ModelLoadError(f"dflash_config.copy_corpus must be [shortest, longest], got {copy_corpus!r}")
+        heads = c.num_attention_heads
+        kv_heads = c.num_key_value_heads or heads
+        if heads % kv_heads:
+            raise ModelLoadError(f"field num_key_value_heads: {kv_heads} does not divide num_attention_heads ({heads})")
+        head_dim = c.head_dim or c.hidden_size // heads
+        if head_dim < 2 or head_dim % 2:
+            raise ModelLoadError(f"field head_dim: rotary embeddings need an even head size, got {head_dim}")
+        nested = c.dflash_config
+        copy_ngram = nested.copy_ngram if nested is not None else None
+        copy_corpus = nested.copy_corpus if nested is not None else None
+        raw = dict(cfg)
+        if raw.get("dflash_config") is None:
+            raw.pop("dflash_config", None)  # readers of the recorded statistics expect an object or nothing
         return cls(
-            hidden_size=hidden,
+            hidden_size=c.hidden_size,
             num_hidden_layers=n_layers,
             num_attention_heads=heads,
-            num_key_value_heads=int(cfg.get("num_key_value_heads", heads)),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            intermediate_size=int(cfg["intermediate_size"]),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            vocab_size=int(cfg["vocab_size"]),
-            num_target_layers=int(n_target) if n_target is not None else -1,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            intermediate_size=c.intermediate_size,
+            rms_norm_eps=c.rms_norm_eps,
+            vocab_size=c.vocab_size,
+            num_target_layers=n_target if n_target is not None else -1,
             layer_types=tuple(layer_types),
-            sliding_window=int(sliding) if sliding else None,
-            attention_bias=bool(cfg.get("attention_bias", False)),
-            hidden_act=str(cfg.get("hidden_act", "silu")),
+            sliding_window=c.sliding_window or None,
+            attention_bias=c.attention_bias,
+            hidden_act=c.hidden_act,
             dflash=DFlashConfig(
-                block_size=int(block),
-                mask_token_id=int(mask_id),
-                target_layer_ids=tuple(int(i) for i in layer_ids),
-                draft_vocab_size=int(draft_vocab) if draft_vocab else None,
-                copy_ngram=(int(copy_ngram[0]), int(copy_ngram[1])) if copy_ngram is not None else None,
-                copy_corpus=(int(copy_corpus[0]), int(copy_corpus[1])) if copy_corpus is not None else None,
+                block_size=block,
+                mask_token_id=mask_id,
+                target_layer_ids=tuple(layer_ids),
+                draft_vocab_size=draft_vocab or None,
+                copy_ngram=(copy_ngram[0], copy_ngram[1]) if copy_ngram is not None else None,
+                copy_corpus=(copy_corpus[0], copy_corpus[1]) if copy_corpus is not None else None,
             ),
-            raw=dict(cfg),
+            raw=raw,
         )
 
     def rotary_config(self) -> Any:
@@ -414,32 +414,72 @@ def _normalise_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+def read_safetensors(folder: Path, origins: dict[str, Path] | None = None) -> dict[str, torch.Tensor]:
     """Read every safetensors shard of a folder (single file or index).
 
+    Args:
+        folder: the model folder.
+        origins: filled with the shard each tensor came from, when given.
+
     Raises:
-        ModelLoadError: no weights, or a shard that is truncated or corrupt.
+        ModelLoadError: no weights, an index that is not valid (named), or a shard that is
+            truncated or corrupt.
     """
     from safetensors.torch import load_file
 
     files = sorted(f for f in folder.glob("*.safetensors") if f.name != CORPUS_FILE)
     index = folder / "model.safetensors.index.json"
     if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [folder / s for s in shards]
+        files = [folder / s for s in read_weight_index(index)]
     if not files:
         raise ModelLoadError(f"no .safetensors weights in {folder} (pickle weights are not loaded)")
     state: dict[str, torch.Tensor] = {}
     for f in files:
-        if not f.exists():
+        if not f.is_file():
             raise ModelLoadError(f"missing weight shard {f}; re-download the model (dflash download)")
         try:
-            state.update(load_file(str(f)))
+            shard = load_file(str(f))
         except Exception as e:  # safetensors raises its own SafetensorError / OSError types
             raise ModelLoadError(
                 f"cannot read {f}: truncated or corrupt safetensors ({e}); re-download the model"
             ) from e
+        state.update(shard)
+        if origins is not None:
+            origins.update(dict.fromkeys(shard, f))
     return state
+
+
+def check_vocab_ids(ids: torch.Tensor, vocab_size: int, where: str) -> torch.Tensor:
+    """A draft vocabulary as loaded: 1-D integer ids in [0, vocab_size), returned as int64.
+
+    Raises:
+        ModelLoadError: naming ``where`` (the file and the field).
+    """
+    if ids.dtype in (torch.bool, torch.complex64, torch.complex128) or ids.is_floating_point():
+        raise ModelLoadError(f"{where}: token ids must be integers, got {str(ids.dtype).replace('torch.', '')}")
+    if ids.dim() != 1:
+        raise ModelLoadError(f"{where}: must be a 1-D list of token ids, got shape {list(ids.shape)}")
+    if ids.numel() == 0:
+        raise ModelLoadError(f"{where}: holds no token ids")
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        raise ModelLoadError(f"{where}: token id {bad} is outside the vocabulary [0, {vocab_size})")
+    return ids.to(torch.long)
+
+
+def read_draft_config(folder: Path) -> DraftModelConfig:
+    """Parse a drafter folder's config.json (no weights) through its schema.
+
+    Raises:
+        ModelLoadError: no config.json, or one that is unreadable, not UTF-8, not JSON or does not
+            fit the schema (the file and the field named).
+        ConfigError: a value out of range (e.g. ``block_size: 0``), the file named.
+    """
+    cfg_path = folder / "config.json"
+    if not cfg_path.exists():
+        raise ModelLoadError(f"{folder} has no config.json; a DFlash drafter folder needs config.json + safetensors")
+    return DraftModelConfig.from_dict(read_json_object(cfg_path), cfg_path)
 
 
 def load_draft_model(
@@ -459,16 +499,10 @@ def load_draft_model(
         ModelLoadError: missing/corrupt files or weights that do not match the config.
     """
     folder = Path(path)
-    cfg_path = folder / "config.json"
-    if not cfg_path.exists():
-        raise ModelLoadError(f"{folder} has no config.json; a DFlash drafter folder needs config.json + safetensors")
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ModelLoadError(f"{cfg_path} is not valid JSON ({e})") from e
-    config = DraftModelConfig.from_dict(raw, cfg_path)
+    config = read_draft_config(folder)
     model = DFlashDraftModel(config)
-    state = _normalise_keys(read_safetensors(folder))
+    origins: dict[str, Path] = {}
+    state = _normalise_keys(read_safetensors(folder, origins))
     vocab_ids = state.pop("draft_vocab_ids", None)
     expected = {k for k in model.state_dict() if k != "draft_vocab_ids"}
     if config.dflash.copy_ngram is not None and "copy_bias" not in state:
@@ -486,14 +520,17 @@ def load_draft_model(
             )
     model.load_state_dict(state, strict=False)
     if vocab_ids is not None:
-        model.draft_vocab_ids = vocab_ids.to(torch.long)
+        source = next((f for k, f in origins.items() if k.endswith("draft_vocab_ids")), folder)
+        model.draft_vocab_ids = check_vocab_ids(vocab_ids, config.vocab_size, f"{source}: draft_vocab_ids")
     elif config.dflash.draft_vocab_size:
         raise ModelLoadError(f"{folder}: config declares draft_vocab_size but the weights lack draft_vocab_ids")
     if config.dflash.copy_corpus is not None:
         try:
-            model.corpus = CorpusTable.load(folder, config.dflash.copy_corpus)
+            model.corpus = CorpusTable.load(folder, config.dflash.copy_corpus, config.vocab_size)
         except FileNotFoundError:
             raise ModelLoadError(f"{folder}: config declares copy_corpus but the folder has no {CORPUS_FILE}") from None
+        except ValueError as e:  # a table that does not fit (CorpusTable.load names the file and the field)
+            raise ModelLoadError(str(e)) from None
         except Exception as e:  # safetensors raises its own SafetensorError / OSError types
             raise ModelLoadError(f"{folder}/{CORPUS_FILE} is unreadable: truncated or corrupt ({e})") from e
     return model.to(device=device, dtype=dtype).eval()
@@ -535,8 +572,16 @@ def save_draft_model(model: DFlashDraftModel, path: str | Path, extra_config: di
         dconf["draft_vocab_size"] = int(model.draft_vocab_ids.numel())
     else:
         dconf.pop("draft_vocab_size", None)
-    cfg["dflash_config"] = dconf
     cfg["block_size"] = model.dflash.block_size
+    if "block_size" in dconf:
+        dconf["block_size"] = model.dflash.block_size
+    for key in ("mask_token_id", "target_layer_ids", "draft_vocab_size"):
+        if key in cfg:  # a top-level copy (older layout) follows dflash_config: the two must agree
+            if key in dconf:
+                cfg[key] = dconf[key]
+            else:
+                cfg.pop(key)
+    cfg["dflash_config"] = dconf
     cfg.setdefault("architectures", ["DFlashDraftModel"])
     if extra_config:
         cfg.update(extra_config)

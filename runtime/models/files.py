@@ -129,10 +129,13 @@ def inspect_folder(folder: Path, expected: tuple[str, ...] = ()) -> FolderReport
     index = folder / "model.safetensors.index.json"
     shards: list[str] = []
     if index.exists():
+        from runtime.engine.drafter_schema import read_weight_index
+        from runtime.errors import ModelLoadError
+
         try:
-            shards = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
-        except (OSError, ValueError):
-            problems.append(f"{index.name} is unreadable")
+            shards = read_weight_index(index)
+        except ModelLoadError as e:  # names the file and what is wrong with it
+            problems.append(str(e))
     listed = {n for n in expected if n.endswith(".safetensors")}
     names = sorted({p.name for p in folder.glob("*.safetensors")} | set(shards) | listed)
     for name in expected:

@@ -48,9 +48,9 @@ def check_model_folder(folder: Path, what: str) -> None:
         raise ModelLoadError(f"{what} folder {folder} has no config.json; re-download it (dflash download)")
     index = folder / "model.safetensors.index.json"
     if index.exists():
-        import json
+        from runtime.engine.drafter_schema import read_weight_index
 
-        shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
+        shards = read_weight_index(index)  # a truncated or malformed index: exit 4 naming it and the field
         missing = sorted(s for s in shards if not (folder / s).exists())
         if missing:
             raise ModelLoadError(
