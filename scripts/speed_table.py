@@ -151,6 +151,42 @@ def dflash_rows(args: argparse.Namespace, prompt_texts: list[str]) -> list[dict[
     return rows
 
 
+def baseline_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The dflash rows of the checkout at ``args.baseline`` (its own speed_table.py, same arguments)."""
+    base = Path(args.baseline).resolve()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "before.json"
+        cmd = [sys.executable, str(base / "scripts" / "speed_table.py"), "--dataset", args.dataset]
+        cmd += ["-n", str(args.max_tokens), "--threads", str(args.threads), "--out", str(out)]
+        cmd += ["--quantize", ",".join(args.quantize), "--float-dtypes", ",".join(args.float_dtypes)]
+        if args.limit is not None:
+            cmd += ["--limit", str(args.limit)]
+        for flag in ("target", "drafter", "models_dir"):
+            if getattr(args, flag):
+                cmd += [f"--{flag.replace('_', '-')}", getattr(args, flag)]
+        env = {**__import__("os").environ, "PYTHONPATH": str(base)}
+        print(f"baseline: {base}", file=sys.stderr)
+        subprocess.run(cmd, cwd=base, env=env, check=True, stdout=subprocess.DEVNULL)
+        return list(json.loads(out.read_text())["rows"])
+
+
+def print_comparison(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> None:
+    """Before/after medians of the same rows, with the ratio and whether the text stayed the same."""
+    print("\n| weights | method | before tok/s | after tok/s | after/before | tau before | tau after | = ar after |")
+    print("|---|---|---|---|---|---|---|---|")
+    old = {(r["weights"], r["method"]): r for r in before}
+    for r in after:
+        b = old.get((r["weights"], r["method"]))
+        if b is None or not r["engine"].startswith("dflash"):
+            continue
+        mb, ma = statistics.median(b["tok_s"]), statistics.median(r["tok_s"])
+        tb = f"{b['tau']:.2f}" if "tau" in b else "-"
+        ta = f"{r['tau']:.2f}" if "tau" in r else "-"
+        same = f"{r['same_as_ar']}/{len(r['tok_s'])}" if "same_as_ar" in r else "-"
+        print(f"| {r['weights']} | {r['method']} | {mb:.2f} | {ma:.2f} | {ma / mb:.3f} | {tb} | {ta} | {same} |")
+    print()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--llama-server", help="path of llama.cpp's llama-server (omit: dflash rows only)")
@@ -182,6 +218,7 @@ def main() -> None:
     ap.add_argument("--models-dir")
     ap.add_argument("--port", type=int, default=8091)
     ap.add_argument("--out")
+    ap.add_argument("--baseline", help="another checkout: its dflash rows first, then these, side by side")
     args = ap.parse_args()
     args.quantize = [q.strip() for q in args.quantize.split(",") if q.strip()]
     args.float_dtypes = [d.strip() for d in args.float_dtypes.split(",") if d.strip()]
@@ -196,7 +233,10 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     if args.llama_server:
         rows += llama_rows(args, prompts)
+    before = baseline_rows(args) if args.baseline else None
     rows += dflash_rows(args, prompts)
+    if before is not None:
+        print_comparison(before, rows)
     print("| engine | weights | method | median decode tok/s | min-max | tau | verify / tree | = ar |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
