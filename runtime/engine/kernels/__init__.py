@@ -18,7 +18,13 @@ exactly as it would alone (the lossless contract of greedy DFlash).
 
 The shared library is built with the system C compiler (``cc``, ``gcc`` or ``clang`` on PATH) into
 a cache folder (``configure``; default ``~/.cache/dflash/kernels``, the CLI passes
-``$DFLASH_HOME/kernels``), keyed by a hash of the source and flags, and loaded with ctypes. Where
+``$DFLASH_HOME/kernels``), keyed by a hash of the source and flags, and loaded with ctypes. Beside
+the library a build record (``gemm-<key>.so.json``: its sha256, the source and flags, the compiler)
+is written after the library is renamed into place; a cached file is loaded only where the record
+matches it (checked before ``dlopen``, on the bytes that are loaded) and it offers every symbol in
+``SYMBOLS``. A truncated, overwritten, foreign or junk file is removed and built again, once, with
+one line on stderr; nothing is loaded before a kernel is asked for. The wrappers check the dtype,
+shape and layout of every tensor they hand to C (``ValueError`` otherwise). Where
 there is no compiler, no AVX2/FMA, or native kernels are switched off (``configure(enabled=False)``;
 the CLI's ``DFLASH_NATIVE=0``), ``int8_gemm()`` returns None and callers use ATen's kernel instead
 (one line on stderr says why).
