@@ -175,9 +175,9 @@ def calibrate(pipe: Pipeline, cache_file: Path, progress: Progress | None = None
     token and skip this."""
     if pipe.drafter is None or pipe.device.type == "cuda":
         return
-    from runtime.engine.calibrate import TREE_VERIFY_TOKENS, cache_key, cached_costs
+    from runtime.engine.calibrate import TREE_VERIFY_TOKENS, cache_key, cached_costs, read_costs
 
-    known = cache_file.exists() and cache_key(pipe) in cache_file.read_text()
+    known = cache_key(pipe) in read_costs(cache_file)[0]
     if not known and progress:
         progress("measuring the verify cost on this machine once (a few seconds)")
     # verifies up to TREE_VERIFY_TOKENS tokens are timed too: the tree budget is chosen from them

@@ -11,20 +11,26 @@ A measurement taken while the machine is busy can be nonsense (3 drafts cheaper 
 cached one would mislead every later run. So a measurement is cached only when it is trustworthy
 (``untrustworthy``: longer verifies not cheaper than shorter ones beyond noise, repetitions that
 agree, close to an earlier measurement); otherwise it is repeated, and if it never settles it is
-used for this run only, made monotone. A cached entry that fails the same check is measured again.
+used for this run only, made monotone. A cached entry that fails the same check is measured again,
+and so is one with costs no machine measures (``PER_TOKEN``, ``DRAFT``, ``ONE_TOKEN``, not finite).
+The file is read through one schema (``read_costs``): contents that do not fit it (not JSON, another
+shape, a folder in its place) are ignored with one line on stderr naming the file, and replaced.
 The planners read the result (``runtime.engine.plan``).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from runtime.engine.costs import running_max
 from runtime.engine.draft_head import DraftHead
@@ -48,6 +54,13 @@ NOISE = 0.15
 SPREAD = 0.35
 FAR = 0.5
 ATTEMPTS = 3
+# Costs no machine measures: a verify of n tokens costing more than PER_TOKEN * n one-token forwards,
+# a drafter forward costing more than DRAFT one-token target forwards, a one-token forward slower
+# than ONE_TOKEN seconds (or a cost that is not a finite number). A cached entry like that (a damaged
+# file) would size every step wrongly; it is measured again.
+PER_TOKEN = 4.0
+DRAFT = 100.0
+ONE_TOKEN = 600.0
 
 
 def untrustworthy(costs: VerifyCosts, previous: VerifyCosts | None = None) -> str | None:
@@ -58,7 +71,10 @@ def untrustworthy(costs: VerifyCosts, previous: VerifyCosts | None = None) -> st
         previous: an earlier measurement of the same setup, if any.
     """
     v = costs.verify
-    if not v or any(not (x > 0) for x in v) or not costs.draft >= 0:
+    numbers = (*v, costs.draft, costs.one_token_seconds, costs.spread)
+    if not all(isinstance(x, float | int) and math.isfinite(x) for x in numbers):
+        return "costs that are not finite numbers"
+    if not v or any(not (x > 0) for x in v) or not costs.draft >= 0 or not costs.one_token_seconds > 0:
         return "non-positive costs"
     for i in range(len(v)):
         for j in range(i + 1, len(v)):
@@ -70,6 +86,13 @@ def untrustworthy(costs: VerifyCosts, previous: VerifyCosts | None = None) -> st
         far = max(abs(a - b) / b for a, b in zip(v, previous.verify, strict=True))
         if far > FAR:
             return f"{far:.0%} away from the earlier measurement"
+    if abs(v[0] - 1) > 0.5:
+        return f"a one-token verify measured at {v[0]:.3g} of itself"
+    for n, x in enumerate(v, start=1):
+        if x > PER_TOKEN * n:
+            return f"verifying {n} tokens measured at {x:.3g} one-token forwards (implausible)"
+    if costs.draft > DRAFT or costs.one_token_seconds > ONE_TOKEN:
+        return f"implausible costs (drafter {costs.draft:.3g}, one token {costs.one_token_seconds:.3g} s)"
     return None
 
 
@@ -256,13 +279,10 @@ def cached_costs(
             short of it is measured again.
     """
     key = cache_key(pipeline)
-    data: dict[str, Any] = {}
-    if cache_file.exists():
-        try:
-            data = json.loads(cache_file.read_text())
-        except (OSError, json.JSONDecodeError):
-            data = {}
-    stored = _entry(data.get(key))
+    data, problem = read_costs(cache_file)
+    if problem is not None:
+        print(f"dflash: ignoring {cache_file} ({problem}); measuring the verify costs again", file=sys.stderr)
+    stored = data.get(key)
     if stored is not None and untrustworthy(stored) is not None:
         stored = None  # a poisoned entry (measured on a busy machine by an older dflash): measure again
     if stored is not None and not remeasure and len(stored.verify) >= (max_tokens or 0):
@@ -279,25 +299,62 @@ def cached_costs(
     else:
         # never settled (a busy machine): use the calmest attempt for this run only, never cache it
         calm = min(attempts, key=lambda c: c.spread)
+        if problem is not None:
+            _store(cache_file, data)  # the ignored contents go (said once), the good entries stay
         return stored if stored is not None else monotone(calm)
-    data[key] = asdict(costs)
-    try:  # the cache is an optimisation: an unwritable home only means measuring again next time
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=2))
-        tmp.replace(cache_file)
-    except OSError:
-        pass
+    data[key] = costs
+    _store(cache_file, data)
     return costs
 
 
-def _entry(v: Any) -> VerifyCosts | None:
+def _store(cache_file: Path, data: dict[str, VerifyCosts]) -> None:
+    """Write the measurements to ``cache_file`` (atomically). The cache is an optimisation: an
+    unwritable home (or a folder in the file's place) only means measuring again next time."""
     try:
-        return VerifyCosts(
-            tuple(float(x) for x in v["verify"]),
-            float(v["draft"]),
-            float(v["one_token_seconds"]),
-            float(v.get("spread", 0.0)),
-        )
-    except (TypeError, KeyError, ValueError):
-        return None
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({k: asdict(v) for k, v in data.items()}, indent=2))
+        tmp.replace(cache_file)
+    except OSError:
+        pass
+
+
+class _StoredCosts(BaseModel):
+    """One measurement in the calibration file (``VerifyCosts``; numbers only, no strings)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    verify: list[float] = Field(min_length=1)
+    draft: float
+    one_token_seconds: float
+    spread: float = 0.0
+
+
+_COST_FILE: TypeAdapter[dict[str, _StoredCosts]] = TypeAdapter(dict[str, _StoredCosts])
+
+
+def read_costs(cache_file: Path) -> tuple[dict[str, VerifyCosts], str | None]:
+    """The measurements stored in ``cache_file`` by ``cache_key``, read through one schema (an object
+    of ``{"verify": [numbers], "draft": number, "one_token_seconds": number, "spread": number}``).
+
+    Returns:
+        (measurements, None), or ({}, why the file was ignored) where it is not such a file (not
+        JSON, not UTF-8, another shape, a folder); no file at all is ({}, None).
+    """
+    try:
+        raw = cache_file.read_bytes()
+    except FileNotFoundError:
+        return {}, None
+    except IsADirectoryError:
+        return {}, "a folder, not a file"
+    except OSError as e:
+        return {}, f"unreadable: {e.strerror}"
+    try:
+        entries = _COST_FILE.validate_json(raw)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in err["loc"])
+        return {}, f"{where + ': ' if where else ''}{err['msg'].lower()}"
+    out = {
+        key: VerifyCosts(tuple(v.verify), v.draft, v.one_token_seconds, v.spread) for key, v in entries.items()
+    }
+    return out, None

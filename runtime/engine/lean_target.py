@@ -489,29 +489,8 @@ class LeanTarget(TargetModel):
         cos, sin = cos.float().contiguous(), sin.float().contiguous()
         m = mask.to(torch.uint8).contiguous() if mask is not None else None  # None: causal over the slots
         ptr_k, ptr_v = cache.pointers()
-        tap_ids = (ctypes.c_int64 * max(len(taps), 1))(*taps)
-        d = int(shape.d)
-        tapbuf = torch.empty((t, len(taps) * d), dtype=torch.float32) if taps else None
-        rc = fn(
-            arr,
-            len(self.lean_layers),
-            ctypes.byref(shape),
-            ptr_k,
-            ptr_v,
-            cache.capacity,
-            h.data_ptr(),
-            t,
-            start,
-            cos.data_ptr(),
-            sin.data_ptr(),
-            m.data_ptr() if m is not None else None,
-            tap_ids,
-            len(taps),
-            tapbuf.data_ptr() if tapbuf is not None else None,
-            torch.get_num_threads(),
-        )
-        if rc != 0:
-            raise MemoryError(f"native layers: no memory for a step of {t} rows (code {rc})")
+        tapbuf = torch.empty((t, len(taps) * int(shape.d)), dtype=torch.float32) if taps else None
+        fn(arr, shape, ptr_k, ptr_v, cache.capacity, h, start, cos, sin, m, taps, tapbuf)
         rows = h[-logits_to_keep:] if logits_to_keep else h
         (logits,) = self.head(_rms(rows, self.final_norm, self.final_eps))
         feats = tapbuf.unsqueeze(0) if tapbuf is not None else None

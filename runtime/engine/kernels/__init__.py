@@ -18,7 +18,13 @@ exactly as it would alone (the lossless contract of greedy DFlash).
 
 The shared library is built with the system C compiler (``cc``, ``gcc`` or ``clang`` on PATH) into
 a cache folder (``configure``; default ``~/.cache/dflash/kernels``, the CLI passes
-``$DFLASH_HOME/kernels``), keyed by a hash of the source and flags, and loaded with ctypes. Where
+``$DFLASH_HOME/kernels``), keyed by a hash of the source and flags, and loaded with ctypes. Beside
+the library a build record (``gemm-<key>.so.json``: its sha256, the source and flags, the compiler)
+is written after the library is renamed into place; a cached file is loaded only where the record
+matches it (checked before ``dlopen``, on the bytes that are loaded) and it offers every symbol in
+``SYMBOLS``. A truncated, overwritten, foreign or junk file is removed and built again, once, with
+one line on stderr; nothing is loaded before a kernel is asked for. The wrappers check the dtype,
+shape and layout of every tensor they hand to C (``ValueError`` otherwise). Where
 there is no compiler, no AVX2/FMA, or native kernels are switched off (``configure(enabled=False)``;
 the CLI's ``DFLASH_NATIVE=0``), ``int8_gemm()`` returns None and callers use ATen's kernel instead
 (one line on stderr says why).
@@ -27,13 +33,16 @@ the CLI's ``DFLASH_NATIVE=0``), ``int8_gemm()`` returns None and callers use ATe
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
+import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +58,7 @@ Bf16Gemm = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.T
 _loaded: dict[str, Any] = {}
 _why_not: dict[str, str] = {}
 _settings: dict[str, Any] = {"enabled": True, "cache": None}
+_lock = threading.RLock()
 
 
 def configure(enabled: bool = True, cache: Path | None = None) -> None:
@@ -85,8 +95,36 @@ def _compiler() -> str | None:
     return None
 
 
+def _compiler_id(cc: str | None) -> str | None:
+    """Which compiler ``cc`` is (its resolved path, size and modification time: an upgrade changes
+    it); None without one."""
+    path = shutil.which(cc) if cc is not None else None
+    if path is None:
+        return None
+    real = os.path.realpath(path)
+    try:
+        st = os.stat(real)
+    except OSError:
+        return real
+    return f"{real}:{st.st_size}:{st.st_mtime_ns}"
+
+
+# Every symbol dflash calls in the library: one that lacks any of them is not used.
+SYMBOLS = ("dflash_int8_isa", "dflash_int8_gemm", "dflash_bf16_gemm", "dflash_f32_gemm", "dflash_layers")
+ELF = b"\x7fELF"
+
+
+def _record_path(lib_path: Path) -> Path:
+    """The build record beside a cached library: its sha256, the source key and the compiler."""
+    return lib_path.with_name(lib_path.name + ".json")
+
+
 def _build(dest: Path) -> str | None:
-    """Compile the kernel to ``dest``; None on success, else the reason."""
+    """Compile the kernels to ``dest`` and write its build record; None on success, else the reason.
+
+    The library is renamed into place atomically (concurrent processes never load a half-written
+    file), then its record is written (atomically too): a library without a matching record is
+    never loaded."""
     cc = _compiler()
     if cc is None:
         return "no C compiler (cc, gcc or clang) on PATH"
@@ -97,12 +135,127 @@ def _build(dest: Path) -> str | None:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if r.returncode != 0:
             return f"{cc} failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}"
-        out.replace(dest)  # atomic: concurrent processes never load a half-written file
+        data = out.read_bytes()
+        if not data.startswith(ELF):
+            return f"{cc} wrote no shared library"
+        record = {"sha256": hashlib.sha256(data).hexdigest(), "source": _source_hash(), "compiler": _compiler_id(cc)}
+        rec = Path(tmp) / "record.json"
+        rec.write_text(json.dumps(record))
+        out.replace(dest)
+        rec.replace(_record_path(dest))
     return None
 
 
+def _source_hash() -> str:
+    return hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES) + " ".join(FLAGS).encode()).hexdigest()
+
+
 def _source_key() -> str:
-    return hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES) + " ".join(FLAGS).encode()).hexdigest()[:16]
+    return _source_hash()[:16]
+
+
+def _check(data: bytes, lib_path: Path) -> str | None:
+    """Why the bytes read from ``lib_path`` are not the library this source, compiler and flags
+    built (None: they are): checked before the library is loaded, so that a truncated, overwritten
+    or foreign file never runs."""
+    try:
+        record = json.loads(_record_path(lib_path).read_text())
+    except FileNotFoundError:
+        return "no build record"
+    except (OSError, UnicodeDecodeError, ValueError):
+        return "unreadable build record"
+    if not isinstance(record, dict):
+        return "unreadable build record"
+    if record.get("source") != _source_hash():
+        return "built from another source"
+    compiler = _compiler_id(_compiler())
+    if compiler is not None and record.get("compiler") != compiler:
+        return "built by another compiler"
+    if record.get("sha256") != hashlib.sha256(data).hexdigest():
+        return "damaged: its sha256 differs from its build record"
+    if not data.startswith(ELF):
+        return "not a shared library"
+    return None
+
+
+def _remove(lib_path: Path) -> None:
+    for path in (lib_path, _record_path(lib_path)):
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def _open(lib_path: Path) -> tuple[ctypes.CDLL | None, str | None, bool]:
+    """(library, None, _) where ``lib_path`` holds this build's library, else (None, why, rebuild:
+    whether building again may help). The bytes checked are the bytes loaded: the library is opened
+    through the file descriptor it was read from."""
+    try:
+        fd = os.open(lib_path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None, "missing", True
+    except OSError as e:
+        return None, f"cannot read {lib_path.name}: {e.strerror}", False
+    try:
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read()
+        why = _check(data, lib_path)
+        if why is not None:
+            return None, why, True
+        try:
+            lib = ctypes.CDLL(f"/proc/self/fd/{fd}")
+        except OSError as e:
+            return None, f"cannot load {lib_path.name}: {e}", True
+    finally:
+        os.close(fd)
+    missing = [s for s in SYMBOLS if not hasattr(lib, s)]
+    if missing:
+        return None, f"{lib_path.name} lacks {', '.join(missing)}", False
+    return lib, None, False
+
+
+class _Locked:
+    """An exclusive lock on a file beside the cached library while it is checked or built (where
+    the cache folder allows one): one process builds, the others wait and load its library."""
+
+    def __init__(self, lib_path: Path) -> None:
+        self.path = lib_path.with_name(lib_path.name + ".lock")
+        self.fd: int | None = None
+
+    def __enter__(self) -> None:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+        except OSError:
+            self.__exit__()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # releases the lock
+            self.fd = None
+
+
+def _load(lib_path: Path) -> tuple[ctypes.CDLL | None, str | None]:
+    """The cached library at ``lib_path``, built first where it is missing, and built again (once)
+    where the cached file is not this build's or fails to load (one line on stderr says so)."""
+    with _Locked(lib_path):
+        lib, why, rebuild = _open(lib_path)
+        if lib is not None or not rebuild:
+            return lib, why
+        if why != "missing":
+            print(f"dflash: cached native kernels {lib_path} not used ({why}); rebuilding", file=sys.stderr)
+            _remove(lib_path)
+        try:
+            built = _build(lib_path)
+        except (OSError, subprocess.SubprocessError) as e:
+            built = f"build failed: {e}"
+        if built is not None:
+            return None, built
+        lib, why, _ = _open(lib_path)
+        if lib is None:
+            _remove(lib_path)  # a build that does not load: the next process tries again
+        return lib, why
 
 
 def identity() -> str:
@@ -133,26 +286,18 @@ def int8_isa(want: str | None = None) -> str:
 
 def _library() -> ctypes.CDLL | None:
     """The compiled kernels (built on first use), or None where they cannot run (see ``why_not``)."""
-    if "lib" in _loaded:
-        return _loaded["lib"]
-    lib = None
-    why = "switched off: DFLASH_NATIVE=0" if not _settings["enabled"] else _cpu_ok()
-    if why is None:
-        lib_path = cache_dir() / f"gemm-{_source_key()}.so"
-        if not lib_path.exists():
-            try:
-                why = _build(lib_path)
-            except (OSError, subprocess.SubprocessError) as e:
-                why = f"build failed: {e}"
+    with _lock:
+        if "lib" in _loaded:
+            lib: ctypes.CDLL | None = _loaded["lib"]
+            return lib
+        lib = None
+        why = "switched off: DFLASH_NATIVE=0" if not _settings["enabled"] else _cpu_ok()
         if why is None:
-            try:
-                lib = ctypes.CDLL(str(lib_path))
-            except OSError as e:
-                why = f"cannot load {lib_path.name}: {e}"
-    if why is not None:
-        _why_not["lib"] = why
-    _loaded["lib"] = lib
-    return lib
+            lib, why = _load(cache_dir() / f"gemm-{_source_key()}.so")
+        if why is not None:
+            _why_not["lib"] = why
+        _loaded["lib"] = lib
+        return lib
 
 
 def _kernel(name: str, symbol: str, wrap: Callable[[Any], Any], instead: str) -> Any:
@@ -176,14 +321,14 @@ def int8_gemm() -> Int8Gemm | None:
 def bf16_gemm() -> Bf16Gemm | None:
     """The compiled bf16-weight GEMM, ``f(x [M, K] f32, w [N, K] bf16, bias [N] f32 | None) -> y [M, N]
     f32``, or None where it cannot run here (see ``why_not``)."""
-    fn: Bf16Gemm | None = _kernel("bf16", "dflash_bf16_gemm", _wrap_bf16, "ATen's bf16 GEMM")
+    fn: Bf16Gemm | None = _kernel("bf16", "dflash_bf16_gemm", _wrap_float(torch.bfloat16), "ATen's bf16 GEMM")
     return fn
 
 
 def f32_gemm() -> Bf16Gemm | None:
     """The compiled float32-weight GEMM, ``f(x [M, K] f32, w [N, K] f32, bias [N] f32 | None) -> y [M, N]
     f32``, or None where it cannot run here (see ``why_not``)."""
-    fn: Bf16Gemm | None = _kernel("f32", "dflash_f32_gemm", _wrap_bf16, "oneDNN's float32 GEMM")
+    fn: Bf16Gemm | None = _kernel("f32", "dflash_f32_gemm", _wrap_float(torch.float32), "oneDNN's float32 GEMM")
     return fn
 
 
@@ -225,17 +370,91 @@ class Shape(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in ("d", "heads", "kv_heads", "head_dim", "ffn")]
 
 
-def layers_fn() -> Any:
-    """The compiled decoder-layer stack (``dflash_layers`` of ``layers.c``, argument types set), or
-    None where the library cannot run here (see ``why_not``)."""
-    return _kernel("layers", "dflash_layers", _wrap_layers, "PyTorch's layers")
+def layers_fn() -> LayersFn | None:
+    """The compiled decoder-layer stack (``dflash_layers`` of ``layers.c``, its arguments checked:
+    see ``_wrap_layers``), or None where the library cannot run here (see ``why_not``)."""
+    fn: LayersFn | None = _kernel("layers", "dflash_layers", _wrap_layers, "PyTorch's layers")
+    return fn
 
 
-def _wrap_layers(c_fn: ctypes._NamedFuncPointer) -> Any:
+LayersFn = Callable[..., None]
+
+
+def _wrap_layers(c_fn: ctypes._NamedFuncPointer) -> LayersFn:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     c_fn.restype = ctypes.c_int
     c_fn.argtypes = [p, i64, p, p, p, i64, p, i64, i64, p, p, p, p, i64, p, ctypes.c_int]
-    return c_fn
+    name = "native layers"
+
+    def layers(
+        stack: Any,
+        shape: Shape,
+        ck: Any,
+        cv: Any,
+        capacity: int,
+        h: torch.Tensor,
+        start: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+        taps: Sequence[int],
+        tapbuf: torch.Tensor | None,
+    ) -> None:
+        """Run the decoder layers ``stack`` (a ctypes ``Layer`` array) over the rows ``h`` [T, D]
+        (float32, updated in place) at positions ``start``..``start + T - 1``, reading and writing
+        the per-layer K/V buffers ``ck``/``cv`` (ctypes pointer arrays, room for ``capacity``
+        entries). ``cos``/``sin`` [T, head_dim] float32; ``mask`` [T, start + T] uint8 or None
+        (causal); after layer ``taps[j]`` the rows are copied into ``tapbuf[:, j * D:(j + 1) * D]``.
+
+        Raises:
+            ValueError: a tensor of the wrong dtype, shape or layout, or positions beyond the cache.
+            MemoryError: no scratch memory for the step.
+        """
+        n_layers = len(stack)
+        if len(ck) != n_layers or len(cv) != n_layers:
+            raise ValueError(f"{name}: {n_layers} layers but {len(ck)} K and {len(cv)} V buffers")
+        d, hd = int(shape.d), int(shape.head_dim)
+        if not isinstance(h, torch.Tensor) or h.dim() != 2 or h.shape[0] < 1:
+            raise ValueError(f"{name}: h must be a 2-D tensor [T, {d}] with T >= 1, {_described(h)}")
+        t = int(h.shape[0])
+        _need(name, "h", h, torch.float32, (t, d))
+        _need(name, "cos", cos, torch.float32, (t, hd))
+        _need(name, "sin", sin, torch.float32, (t, hd))
+        if not 0 <= start <= capacity - t:
+            raise ValueError(f"{name}: rows {start}..{start + t - 1} do not fit a cache of {capacity} entries")
+        if mask is not None:
+            _need(name, "mask", mask, torch.uint8, (t, start + t))
+        if any(not 0 <= j < n_layers for j in taps):
+            raise ValueError(f"{name}: taps {list(taps)} outside layers 0..{n_layers - 1}")
+        if taps:
+            _need(name, "tapbuf", tapbuf, torch.float32, (t, len(taps) * d))
+        elif tapbuf is not None:
+            raise ValueError(f"{name}: a tap buffer without taps")
+        tap_ids = (ctypes.c_int64 * max(len(taps), 1))(*taps)
+        rc = c_fn(
+            stack,
+            n_layers,
+            ctypes.byref(shape),
+            ck,
+            cv,
+            capacity,
+            h.data_ptr(),
+            t,
+            start,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            mask.data_ptr() if mask is not None else None,
+            tap_ids,
+            len(taps),
+            tapbuf.data_ptr() if tapbuf is not None else None,
+            torch.get_num_threads(),
+        )
+        if rc == -2:
+            raise ValueError(f"{name}: head dimension {hd} over 512")
+        if rc != 0:
+            raise MemoryError(f"{name}: no memory for a step of {t} rows (code {rc})")
+
+    return layers
 
 
 def why_not() -> str | None:
@@ -243,8 +462,37 @@ def why_not() -> str | None:
     return _why_not.get("lib")
 
 
-def _f32(x: torch.Tensor) -> torch.Tensor:
+def _f32(name: str, x: torch.Tensor) -> torch.Tensor:
+    """The activations ``x`` [M, K] as contiguous float32 rows on the CPU (converted from another
+    float dtype or layout)."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point() or x.device.type != "cpu":
+        raise ValueError(f"{name}: x must be a 2-D float tensor [M, K] on the CPU, {_described(x)}")
     return x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+
+
+def _described(t: object) -> str:
+    if not isinstance(t, torch.Tensor):
+        return f"got {type(t).__name__}"
+    return f"got {str(t.dtype).removeprefix('torch.')} {list(t.shape)} on {t.device}" + (
+        "" if t.is_contiguous() else " (not contiguous)"
+    )
+
+
+def _need(name: str, what: str, t: object, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    """Raise a clear error unless ``t`` is a contiguous CPU tensor of ``dtype`` and ``shape`` (-1:
+    any size): the C kernels read raw pointers and trust these."""
+    ok = (
+        isinstance(t, torch.Tensor)
+        and t.dtype == dtype
+        and t.device.type == "cpu"
+        and t.is_contiguous()
+        and t.dim() == len(shape)
+        and all(want in (-1, got) for want, got in zip(shape, t.shape, strict=True))
+    )
+    if not ok:
+        dims = ", ".join("?" if d == -1 else str(d) for d in shape)
+        kind = str(dtype).removeprefix("torch.")
+        raise ValueError(f"{name}: {what} must be a contiguous {kind} tensor [{dims}] on the CPU, {_described(t)}")
 
 
 def _wrap_int8(c_fn: ctypes._NamedFuncPointer) -> Int8Gemm:
@@ -253,9 +501,13 @@ def _wrap_int8(c_fn: ctypes._NamedFuncPointer) -> Int8Gemm:
     c_fn.argtypes = [p, i64, i64, p, p, p, i64, p, ctypes.c_int]
 
     def gemm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        x = _f32(x)
+        x = _f32("int8 GEMM", x)
         m, k = x.shape
+        _need("int8 GEMM", "w", w, torch.int8, (-1, k))
         n = w.shape[0]
+        _need("int8 GEMM", "scale", scale, torch.float32, (n,))
+        if bias is not None:
+            _need("int8 GEMM", "bias", bias, torch.float32, (n,))
         y = torch.empty((m, n), dtype=torch.float32)
         rc = c_fn(
             x.data_ptr(),
@@ -275,26 +527,35 @@ def _wrap_int8(c_fn: ctypes._NamedFuncPointer) -> Int8Gemm:
     return gemm
 
 
-def _wrap_bf16(c_fn: ctypes._NamedFuncPointer) -> Bf16Gemm:
-    c_fn.restype = None
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    c_fn.argtypes = [p, i64, i64, p, p, i64, p, ctypes.c_int]
+def _wrap_float(weights: torch.dtype) -> Callable[[ctypes._NamedFuncPointer], Bf16Gemm]:
+    """The wrapper of a GEMM over ``weights`` (bfloat16 or float32) weights."""
+    name = f"{str(weights).removeprefix('torch.')} GEMM"
 
-    def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        x = _f32(x)
-        m, k = x.shape
-        n = w.shape[0]
-        y = torch.empty((m, n), dtype=torch.float32)
-        c_fn(
-            x.data_ptr(),
-            m,
-            k,
-            w.data_ptr(),
-            bias.data_ptr() if bias is not None else None,
-            n,
-            y.data_ptr(),
-            torch.get_num_threads(),
-        )
-        return y
+    def wrap(c_fn: ctypes._NamedFuncPointer) -> Bf16Gemm:
+        c_fn.restype = None
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        c_fn.argtypes = [p, i64, i64, p, p, i64, p, ctypes.c_int]
 
-    return gemm
+        def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            x = _f32(name, x)
+            m, k = x.shape
+            _need(name, "w", w, weights, (-1, k))
+            n = w.shape[0]
+            if bias is not None:
+                _need(name, "bias", bias, torch.float32, (n,))
+            y = torch.empty((m, n), dtype=torch.float32)
+            c_fn(
+                x.data_ptr(),
+                m,
+                k,
+                w.data_ptr(),
+                bias.data_ptr() if bias is not None else None,
+                n,
+                y.data_ptr(),
+                torch.get_num_threads(),
+            )
+            return y
+
+        return gemm
+
+    return wrap
