@@ -33,6 +33,7 @@ from runtime.backend import Backend
 from runtime.engine.events import DecodeEvent, Finished, GenerationStats, PrefillDone, event_to_json
 
 from . import protocol as P
+from .memory import TRIM_AFTER_BYTES, release_free_memory
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .queue import GenerationQueue, Job, QueueFullError
 
@@ -192,9 +193,10 @@ class DFlashServer:
         length = request.headers.get("content-length")
         if length and length.isdigit() and int(length) > limit:
             raise P.APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
-        body = b""
+        body = bytearray()
         async for piece in request.stream():
             body += piece
+            request.state.body_bytes = len(body)
             if len(body) > limit:
                 raise P.APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
         try:  # pydantic's parser: a depth limit (no RecursionError), strict UTF-8, no lone surrogates, no NaN
@@ -224,6 +226,14 @@ class DFlashServer:
         return start
 
     async def _generate(self, request: Request, kind: str) -> Response:
+        try:
+            return await self._answer(request, kind)
+        finally:
+            if getattr(request.state, "body_bytes", 0) >= TRIM_AFTER_BYTES:
+                # its prompt's tokenization freed hundreds of MB that malloc would keep: give them back
+                await asyncio.get_running_loop().run_in_executor(None, release_free_memory)
+
+    async def _answer(self, request: Request, kind: str) -> Response:
         endpoint = "chat" if kind == "chat" else "completions"
         try:
             self._auth(request)
