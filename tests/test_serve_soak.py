@@ -21,7 +21,8 @@ def test_server_rss_settles_over_a_soak_with_large_bodies(tmp_path: Path) -> Non
     mb = ", ".join(f"{n}:{kb / 1024:.0f}" for n, kb in series)
     assert not res["unexpected"], res["unexpected"][:10]
     assert code == 0
-    warm = series[0][1]
-    # a 1 MB prompt's tokenization frees a few hundred MB: it goes back to the OS, not kept by malloc
-    assert max(kb for _, kb in series) < warm * 1.15, f"RSS (MB) after n requests: {mb}"
-    assert growth(series, len(series) // 2 * 60) < 0.05, f"RSS (MB) after n requests: {mb}"
+    # a 1 MB prompt's tokenization frees ~200 MB: it goes back to the OS instead of staying resident
+    # (before: +45 % over the warmed-up server after the first 1 MB body, for good)
+    assert growth(series, 12 * ROUND) < 0.10, f"RSS (MB) after n requests: {mb}"
+    # and it settles: the second half's median is within 5 % of the first half's
+    assert growth(series, 6 * ROUND) < 0.05, f"RSS (MB) after n requests: {mb}"

@@ -258,7 +258,7 @@ def train(
 
     budget = _duration(time_budget)
     ctx.with_resource(RunFolderLock(out))  # one command per run folder, held until this one ends
-    if (resume or eval_only) and (out / "checkpoint").is_dir():
+    if (resume or eval_only) and (out / "checkpoint" / "config.json").exists():
         read_checkpoint_config(out / "checkpoint")  # a damaged one stops here, before anything is written
     if eval_only:
         return _eval_only(out, model, target, device, dtype, offline, threads, eval_prompts, eval_tokens, ood_eval)
