@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from pathlib import Path
 from types import TracebackType
 
@@ -33,9 +34,11 @@ class RunFolderLock:
         self._created = False
 
     def acquire(self) -> RunFolderLock:
-        import fcntl
-
         if self._fd is not None:
+            return self
+        try:
+            import fcntl
+        except ImportError:  # not a POSIX system: no lock (dflash's targets are Linux and macOS)
             return self
         self._created = not self.folder.exists()
         try:
@@ -53,6 +56,11 @@ class RunFolderLock:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 holder = _read_pid(fd)
+                for _ in range(25):  # the holder writes its pid right after locking
+                    if holder is not None:
+                        break
+                    time.sleep(0.02)
+                    holder = _read_pid(fd)
                 os.close(fd)
                 who = f"pid {holder}" if holder else "a process that has not written its pid yet"
                 raise ConfigError(
