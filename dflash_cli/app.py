@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated
 
 import typer
@@ -72,5 +73,23 @@ def quiet_libraries() -> None:
 
 def main() -> None:
     """Console-script entry point."""
+    from .errors import error_line
+    from .streams import OutputError, finish_stdout, guard_std_streams
+
+    guard_std_streams()  # closed stdin/stdout/stderr and unwritable stdout: one line and exit 2, not a crash
     quiet_libraries()
-    app()
+    code: int | str | None = 0
+    try:
+        app()  # standalone mode: ends with SystemExit
+    except SystemExit as e:
+        code = e.code
+    except OutputError as e:  # outside a command (e.g. --help with stdout closed)
+        error_line(str(e))
+        code = e.exit_code
+    try:
+        finish_stdout()  # what is still buffered: a full disk shows here, after the command returned
+    except OutputError as e:
+        if code in (0, None):
+            error_line(str(e))
+            code = e.exit_code
+    sys.exit(code)

@@ -22,6 +22,7 @@ DEFAULT_LOOKUP = 16
 # temperatures below this decode greedily (vLLM does the same below its 1e-5, llama.cpp at 0 and below):
 # dividing logits by 1e-40 would overflow to inf, and so small a temperature is the argmax anyway
 GREEDY_BELOW = 1e-5
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,8 @@ class SamplingParams:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise ConfigError(f"seed must be between {SEED_RANGE[0]} and {SEED_RANGE[1]}, got {self.seed}")
         if any(not s for s in self.stop_strings):
             raise ConfigError("stop strings must not be empty")
 
@@ -136,8 +139,8 @@ class RuntimeConfig:
     compile: str = "auto"
 
     def __post_init__(self) -> None:
-        base = self.device.split(":", 1)[0]
-        if base not in DEVICES:
+        base, colon, index = self.device.partition(":")
+        if base not in DEVICES or (colon and (base == "auto" or not index.isdigit() or not index.isascii())):
             raise ConfigError(f"unknown device {self.device!r}; use one of {', '.join(DEVICES)} (or cuda:N)")
         if self.dtype not in DTYPES:
             raise ConfigError(f"unknown dtype {self.dtype!r}; use one of {', '.join(DTYPES)}")

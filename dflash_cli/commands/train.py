@@ -252,9 +252,14 @@ def train(
         prepare_eval_data,
         saved_config,
     )
+    from runtime.train.lock import RunFolderLock
+    from runtime.train.state import read_checkpoint_config
     from runtime.train.trainer import TrainConfig
 
     budget = _duration(time_budget)
+    ctx.with_resource(RunFolderLock(out))  # one command per run folder, held until this one ends
+    if (resume or eval_only) and (out / "checkpoint" / "config.json").exists():
+        read_checkpoint_config(out / "checkpoint")  # a damaged one stops here, before anything is written
     if eval_only:
         return _eval_only(out, model, target, device, dtype, offline, threads, eval_prompts, eval_tokens, ood_eval)
     vocab_choice = _draft_vocab(draft_vocab)
@@ -359,7 +364,7 @@ def train(
 
     data_taps = tap_ids or tuple(default_target_layer_ids(pipe.target.num_layers, layers or 1))
     if resume and (out / "checkpoint" / "config.json").exists():
-        raw = json.loads((out / "checkpoint" / "config.json").read_text())
+        raw = read_checkpoint_config(out / "checkpoint")
         data_taps = tuple(raw["dflash_config"]["target_layer_ids"])
     if not data_only:
         _record_sources(out, data_dir, extra_data or [], corpus_data or [])
@@ -525,7 +530,7 @@ def _eval_only(
     """Evaluate the last checkpoint of a run and export it with a fresh model card."""
     from runtime.errors import ConfigError
     from runtime.train.api import export
-    from runtime.train.state import LEGACY_PICKLE, STATE_JSON, load_trainer_state
+    from runtime.train.state import LEGACY_PICKLE, STATE_JSON, load_trainer_state, read_checkpoint_config
     from runtime.train.trainer import TrainConfig, TrainState
 
     ckpt = out / "checkpoint"
@@ -535,13 +540,13 @@ def _eval_only(
     session = session_options(model, target, "none", device, dtype, offline, threads=threads)
     pipe = open_pipeline(session)
     say = _printer()
-    raw = json.loads((out / "checkpoint" / "config.json").read_text())
+    raw = read_checkpoint_config(out / "checkpoint")
     recorded = raw.get("dflash_training") or {}
     data_dir = recorded.get("dataset")
     if ood_eval and pipe.tokenizer is not None:  # runs trained before the OOD set (or with --no-ood-eval)
         from runtime.train.api import prepare_eval_data
 
-        taps = raw.get("dflash_config", {}).get("target_layer_ids") or raw.get("target_layer_ids")
+        taps = raw["dflash_config"]["target_layer_ids"]  # read_checkpoint_config checked it
         prepare_eval_data(pipe.target, pipe.tokenizer, out / "eval-data" / "ood", taps, pipe.stop_token_ids)
     evaluation = _evaluate(
         pipe, session, out, eval_prompts, eval_tokens, say, Path(data_dir) if data_dir else None, ood_eval
@@ -682,8 +687,8 @@ def _recorded_sources(out: Path) -> dict[str, Any]:
     """The dataset folders a run trained on: OUT/data-sources.json, or for runs older than that
     file the last training command in OUT/commands.txt (its relative paths taken from here)."""
     path = out / DATA_SOURCES
-    if path.is_file():
-        return dict(json.loads(path.read_text()))
+    if path.exists():
+        return _read_sources(path)
     lines = (out / COMMANDS_FILE).read_text().splitlines() if (out / COMMANDS_FILE).is_file() else []
     for line in reversed(lines):
         args = shlex.split(line)
@@ -697,6 +702,30 @@ def _recorded_sources(out: Path) -> dict[str, Any]:
                 found[flag[2:].replace("-", "_")].append(value)
         return found
     return {}
+
+
+def _read_sources(path: Path) -> dict[str, Any]:
+    """OUT/data-sources.json as ``_record_sources`` wrote it.
+
+    Raises:
+        ModelLoadError: the file is not JSON, not an object, or a field has another type (names the file).
+    """
+    from runtime.errors import ModelLoadError
+
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ModelLoadError(f"{path} is damaged (not readable JSON: {e}); fix or delete it, or give --data") from None
+    if not isinstance(doc, dict):
+        raise ModelLoadError(f"{path} is damaged: a JSON object was expected, not {type(doc).__name__}")
+    data = doc.get("data")
+    if data is not None and not (isinstance(data, str) and data):
+        raise ModelLoadError(f"{path} is damaged: 'data' must be a folder name, got {data!r}")
+    for key in ("extra_data", "corpus_data"):
+        value = doc.get(key, [])
+        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+            raise ModelLoadError(f"{path} is damaged: {key!r} must be a list of folder names, got {value!r}")
+    return dict(doc)
 
 
 def _record_command(out: Path, argv: list[str]) -> None:

@@ -39,6 +39,7 @@ from runtime.engine.events import DecodeEvent, Finished, GenerationStats, Prefil
 
 from . import editors as E
 from . import protocol as P
+from .memory import TRIM_AFTER_BYTES, release_free_memory
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .queue import GenerationQueue, Job, QueueFullError
 
@@ -205,9 +206,10 @@ class DFlashServer:
         length = request.headers.get("content-length")
         if length and length.isdigit() and int(length) > limit:
             raise P.APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
-        body = b""
+        body = bytearray()
         async for piece in request.stream():
             body += piece
+            request.state.body_bytes = len(body)
             if len(body) > limit:
                 raise P.APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
         try:  # pydantic's parser: a depth limit (no RecursionError), strict UTF-8, no lone surrogates, no NaN
@@ -237,6 +239,14 @@ class DFlashServer:
         return start
 
     async def _generate(self, request: Request, kind: str) -> Response:
+        try:
+            return await self._answer(request, kind)
+        finally:
+            if getattr(request.state, "body_bytes", 0) >= TRIM_AFTER_BYTES:
+                # its prompt's tokenization freed hundreds of MB that malloc would keep: give them back
+                await asyncio.get_running_loop().run_in_executor(None, release_free_memory)
+
+    async def _answer(self, request: Request, kind: str) -> Response:
         endpoint = "chat" if kind == "chat" else "completions"
         try:
             self._auth(request)

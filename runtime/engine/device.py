@@ -21,7 +21,10 @@ def resolve_device(name: str = "auto") -> torch.device:
         if torch.backends.mps.is_available():
             return torch.device("mps")
         return torch.device("cpu")
-    dev = torch.device(name)
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"unknown device {name!r}; use auto, cpu, cuda, cuda:N or mps") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(
             f"device {name!r} requested but CUDA is not available (torch {torch.__version__}); use --device cpu"

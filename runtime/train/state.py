@@ -134,3 +134,26 @@ def _load_legacy(path: Path) -> dict[str, Any]:
     if not isinstance(blob, dict) or not {"optimizer", "state", "config", "rng"} <= set(blob):
         raise ModelLoadError(f"{path} is not a dflash train checkpoint state")
     return blob
+
+
+def read_checkpoint_config(folder: Path) -> dict[str, Any]:
+    """The drafter config of a checkpoint folder (``config.json``), checked before a run resumes it.
+
+    Raises:
+        ModelLoadError: the file is missing, unreadable, not JSON (e.g. cut off), not an object, or
+            has no ``dflash_config.target_layer_ids`` list of layer ids; the message names the file.
+    """
+    path = Path(folder) / "config.json"
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ModelLoadError(f"{path} is missing: the checkpoint is incomplete") from None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ModelLoadError(f"{path} is damaged (not readable JSON: {e}); the checkpoint was left as it is") from None
+    conf = doc.get("dflash_config") if isinstance(doc, dict) else None
+    taps = conf.get("target_layer_ids") if isinstance(conf, dict) else None
+    if not isinstance(taps, list) or not taps or not all(type(t) is int and t >= 0 for t in taps):
+        raise ModelLoadError(
+            f"{path} is damaged: no dflash_config.target_layer_ids list of layer ids; the checkpoint was left as it is"
+        )
+    return dict(doc)
