@@ -38,6 +38,7 @@ from runtime.engine.prompt_cache import CachedState, PromptCache, Reuse
 from runtime.engine.sampling import sample
 from runtime.engine.step import Planner, Proposer, RequestContext, StepOutcome
 from runtime.engine.target import TargetModel
+from runtime.engine.transfer import upload
 from runtime.engine.tree import DraftTree, chain_tree, choice_ranks, tree_from_candidates, truncate_tree
 from runtime.errors import ConfigError, InputError, OutOfMemoryError
 
@@ -222,7 +223,9 @@ class SpeculativeDecoder:
             ctx = RequestContext(list(prompt), device, state.t_cache, state.d_cache, state.pending)
         else:
             ctx = RequestContext(list(prompt), device, target.new_cache(capacity=room))
-        ids = torch.tensor([prompt[cached:]], dtype=torch.long, device=device)  # [1, P - cached]
+        if self.proposer is not None:  # per request: decoders of several drafters may share one target
+            target.set_taps(self.proposer.taps)
+        ids = upload([prompt[cached:]], torch.long, device)  # [1, P - cached]
         logits, feats = target.forward(ids, ctx.t_cache, logits_to_keep=1, capture=capture)
         ensure_finite_logits(logits[-1:], target)  # garbage weights: exit 4 naming the folder, not `0 0 0 ...`
         first_t = sample(logits[-1:], params, gen)

@@ -86,13 +86,12 @@ class DraftHead:
             (torch.arange(logits.shape[0], device=logits.device), col.clamp(min=0)), bias * inside, True
         )
         outside = has & (col < 0)
-        extra = torch.full((logits.shape[0], 1), float("-inf"), dtype=logits.dtype, device=logits.device)
-        if bool(outside.any()):
-            rows = self.full_weight[copy_ids].to(hidden.dtype)  # [K, D]
-            score = (hidden * rows).sum(-1).float() + bias
-            if self.full_bias is not None:
-                score = score + self.full_bias[copy_ids].float()
-            extra[:, 0] = torch.where(outside, score, extra[:, 0])
+        # scored in every slot and kept where the proposal is outside (no host read to ask whether any is)
+        rows = self.full_weight[copy_ids].to(hidden.dtype)  # [K, D]
+        score = (hidden * rows).sum(-1).float() + bias
+        if self.full_bias is not None:
+            score = score + self.full_bias[copy_ids].float()
+        extra = torch.where(outside, score, torch.full_like(score, float("-inf")))[:, None].to(logits.dtype)
         return torch.cat([logits, extra], 1), copy_ids
 
     def to_ids(self, columns: torch.Tensor, extra_ids: torch.Tensor | None) -> torch.Tensor:

@@ -15,6 +15,7 @@ from runtime.engine.acceptance import accept_prefix
 from runtime.engine.detok import TextAssembler, TokenizerLike
 from runtime.engine.events import BlockVerified, TokenEvent
 from runtime.engine.step import RequestContext, SlotCandidates
+from runtime.engine.transfer import download, upload
 from runtime.engine.tree import DraftTree, ancestor_mask, chain_is_path, chain_tree, walk
 
 
@@ -38,14 +39,14 @@ class DeviceChain:
         positions or mask: a causal verify."""
         anchor = ctx.anchor_on_device
         if anchor is None:
-            anchor = torch.tensor([ctx.anchor], dtype=torch.long, device=self.drafts.device)
+            anchor = upload([ctx.anchor], torch.long, self.drafts.device)
         return torch.cat([anchor, self.drafts]).unsqueeze(0), None, None
 
     def resolve(self, ctx: RequestContext, choices: torch.Tensor) -> tuple[list[int], list[int]]:
         """The step's one host read (drafts and the target's choices together): (path, choices).
         The bonus token stays on the device as the next anchor."""
         k = self.drafted
-        host = torch.cat([self.drafts, choices]).tolist()
+        host = download(torch.cat([self.drafts, choices]))
         drafts, picked = host[:k], host[k:]
         a = accept_prefix(drafts, picked)
         self.tree = chain_tree(ctx.anchor, drafts)
@@ -84,15 +85,15 @@ class HostTree:
     def inputs(self, ctx: RequestContext) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """[1, N] ids; for a tree that is not a chain, positions start + depth and the ancestor mask."""
         tree, device = self.tree, ctx.device
-        ids = torch.tensor([tree.tokens], dtype=torch.long, device=device)
+        ids = upload([tree.tokens], torch.long, device)
         if len(tree) > 1 and not chain_is_path(tree):
-            positions = torch.tensor(tree.depths, dtype=torch.long, device=device) + ctx.start
-            return ids, positions, ancestor_mask(tree.parents, device)
+            positions = upload([d + ctx.start for d in tree.depths], torch.long, device)
+            return ids, positions, upload(ancestor_mask(tree.parents), torch.bool, device)
         return ids, None, None
 
     def resolve(self, ctx: RequestContext, choices: torch.Tensor) -> tuple[list[int], list[int]]:
         """The step's host read of the target's choices: (path, choices)."""
-        picked = choices.tolist()
+        picked = download(choices)
         ctx.anchor_on_device = None
         return walk(self.tree, picked), picked
 

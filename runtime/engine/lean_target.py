@@ -369,7 +369,8 @@ class LeanTarget(TargetModel):
             cache: a ``StaticKVCache`` from ``new_cache``.
             logits_to_keep: 0 for logits at every position, else the last n positions.
             capture: return the tapped layer outputs.
-            positions: [T] absolute positions (default: the slots, i.e. a contiguous chain).
+            positions: [T] absolute positions below ``length + T`` (default: the slots, i.e. a
+                contiguous chain; a tree: start + depth).
             tree_mask: [T, T] bool, which new tokens each new token sees (default: causal); every
                 new token also sees the whole cache.
 
@@ -385,7 +386,7 @@ class LeanTarget(TargetModel):
             self._rope_tables(end)
             cos, sin = self._cos[start:end], self._sin[start:end]
         else:
-            self._rope_tables(int(positions.max()) + 1)
+            self._rope_tables(end)  # a tree's positions are start + depth < end: no host read of them
             cos, sin = self._cos[positions], self._sin[positions]
         cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)  # [1, T, hd] broadcast over heads
         mask = self._mask(t, start, tree_mask)

@@ -19,6 +19,7 @@ from runtime.engine.kv_cache import DraftKVCache
 from runtime.engine.ngram import block_copies
 from runtime.engine.step import RequestContext, SlotCandidates
 from runtime.engine.target import TargetModel
+from runtime.engine.transfer import upload
 from runtime.engine.tree import slot_candidates
 
 
@@ -33,7 +34,7 @@ class DrafterProposer:
 
     def __init__(self, target: TargetModel, drafter: DFlashDraftModel, block_size: int) -> None:
         self.target, self.drafter, self.block_size = target, drafter, block_size
-        target.set_taps(drafter.dflash.target_layer_ids)
+        self.taps = tuple(int(i) for i in drafter.dflash.target_layer_ids)  # the target layers it reads
         self.head = DraftHead.for_pair(target, drafter)
         self.mask_id = drafter.dflash.mask_token_id
         self.ngram = drafter.dflash.copy_ngram  # the copy inputs' n-gram sizes, or None
@@ -118,7 +119,7 @@ class DrafterProposer:
                 ids, matched = block_copies(index, b, self.mask_id, ngram=self.ngram)
             if any(matched):
                 dev = embeds.device
-                shown = (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(matched, device=dev))
+                shown = (upload(ids, torch.long, dev), upload(matched, torch.long, dev))
                 copies = self.target.embed(shown[0][None])
                 embeds = embeds + self.drafter.copy_inputs(copies, shown[1][None])
         hidden = self.drafter(embeds, ctx_feats, positions, cache=d_cache, key_positions=key_pos)

@@ -179,6 +179,8 @@ class Planner(Protocol):
 class Proposer(Protocol):
     """Scores the block's slots after the anchor in one forward."""
 
+    taps: tuple[int, ...]  # the target layers whose outputs it reads (captured from the prefill on)
+
     @property
     def state_key(self) -> int:
         """Identifies the model whose per-request state (``RequestContext.d_cache``) it keeps."""

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.engine.drafter import draft_columns_to_ids
+from runtime.engine.transfer import download
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,10 @@ def slot_candidates(
     if logprobs.ndim != 2 or logprobs.shape[0] == 0 or width <= 0:
         return [], []
     top = torch.topk(logprobs.float(), min(width, int(logprobs.shape[1])), dim=-1)  # [D, w]
-    return top.values.tolist(), draft_columns_to_ids(top.indices, vocab_ids, extra_ids).tolist()
+    ids = draft_columns_to_ids(top.indices, vocab_ids, extra_ids)
+    w = int(top.values.shape[1])
+    both = download(torch.cat([top.values.double(), ids.double()], dim=1))  # one host read: [D, 2w]
+    return [row[:w] for row in both], [[int(t) for t in row[w:]] for row in both]
 
 
 def tree_from_candidates(
