@@ -194,16 +194,11 @@ def speed(device: torch.device, shapes: list[str], n: int, accept: float, dtype:
         drafter = drafter_model(model, 16, dtype, device)
         prompt = prompt_ids(model, 128)
         truth, _ = decode_ids(plain_decoder(target), prompt, n + 32)
-        for name, make in (
-            ("plain", lambda: plain_decoder(target)),
-            ("chain", lambda: chain_decoder(target, drafter, proposer=oracle(target, drafter, truth, accept, prompt))),
-            ("tree", lambda: tree_decoder(target, drafter, tree_budget=32,
-                                          proposer=oracle(target, drafter, truth, accept, prompt))),
-        ):  # fmt: skip
-            decode_ids(make(), prompt, 8)  # warm-up
+        for name in ("plain", "chain", "tree"):
+            decode_ids(speed_decoder(name, target, drafter, truth, accept, prompt), prompt, 8)  # warm-up
             sync(device)
             t0 = time.perf_counter()
-            ids, stats = decode_ids(make(), prompt, n)
+            ids, stats = decode_ids(speed_decoder(name, target, drafter, truth, accept, prompt), prompt, n)
             sync(device)
             dt = time.perf_counter() - t0
             rows.append({"shape": shape, "decoder": name, "tok_s": round(len(ids) / dt, 2),
@@ -212,6 +207,16 @@ def speed(device: torch.device, shapes: list[str], n: int, accept: float, dtype:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return {"accept": accept, "dtype": str(dtype), "rows": rows}
+
+
+def speed_decoder(name: str, target: Any, drafter: Any, truth: list[int], p: float, prompt: list[int]) -> Any:
+    """Plain decoding, or a chain / tree of oracle drafts."""
+    if name == "plain":
+        return plain_decoder(target)
+    prop = oracle(target, drafter, truth, p, prompt)
+    if name == "chain":
+        return chain_decoder(target, drafter, proposer=prop)
+    return tree_decoder(target, drafter, tree_budget=32, proposer=prop)
 
 
 def oracle(target: Any, drafter: Any, truth: list[int], p: float, prompt: list[int]) -> OracleProposer:
@@ -227,9 +232,8 @@ def host_reads(device: torch.device) -> dict[str, Any]:
     out = {}
     for name, dec in (("chain", chain_decoder(target, drafter)), ("tree", tree_decoder(target, drafter, tree_budget=6))):
         count = [0]
-        real = transfer.download
 
-        def counting(t: torch.Tensor, real: Any = real) -> list[Any]:
+        def counting(t: torch.Tensor, real: Any = transfer.download, count: list[int] = count) -> list[Any]:
             count[0] += 1
             return real(t)
 
@@ -254,7 +258,8 @@ def host_reads(device: torch.device) -> dict[str, Any]:
 def profile(device: torch.device, shape: str, dtype: torch.dtype) -> dict[str, Any]:
     if device.type != "cuda":
         return {"skipped": "the profiler section needs CUDA"}
-    from torch.profiler import ProfilerActivity, profile as prof
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof
 
     model = target_model(shape, dtype, device)
     target = LeanTarget(model)

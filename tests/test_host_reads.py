@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from runtime.config import SamplingParams
-from runtime.engine import chain_decoder, plain_decoder, tree_decoder, transfer
+from runtime.engine import chain_decoder, plain_decoder, transfer, tree_decoder
 from runtime.engine.events import BlockVerified
 from runtime.engine.lean_target import LeanTarget
 from tests.fakes import make_drafter, make_target
