@@ -171,9 +171,9 @@ def remember_use(pipe: Pipeline, usage_log: Path, preset: str | None = None) -> 
 def calibrate(pipe: Pipeline, cache_file: Path, progress: Progress | None = None) -> None:
     """Give the pipeline this machine's measured verify costs (measured once per
     model/device/dtype/threads, cached in ``cache_file``) so that the runtime picks the verify
-    length and the tree budget from them. GPUs verify a whole block or tree for about the cost of one
-    token and skip this."""
-    if pipe.drafter is None or pipe.device.type == "cuda":
+    length and the tree budget from them, on every device (a GPU's costs are measured too, chains and
+    masked trees, not assumed flat)."""
+    if pipe.drafter is None:
         return
     from runtime.engine.calibrate import TREE_VERIFY_TOKENS, cache_key, cached_costs, read_costs
 

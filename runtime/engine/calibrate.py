@@ -2,7 +2,9 @@
 
 ``measure_costs`` times target forwards of n = 1..b tokens on top of a KV cache and one drafter
 forward, relative to a one-token target forward; for tree verification (``max_tokens`` > b) it
-also times a few larger verifies up to ``max_tokens`` (17, 33, 65) and interpolates between them. ``cached_costs`` keeps the result in a JSON file
+also times a few larger verifies up to ``max_tokens`` (17, 33, 65), as masked trees with tree
+positions (what a tree verify runs), and interpolates between them. Every device is measured (a
+GPU's flat-looking curve is a measurement too, not a prior). ``cached_costs`` keeps the result in a JSON file
 (keyed by model, device, dtype, threads and torch version) so that only the first run pays the
 few seconds it takes. Sizes are timed in interleaved rounds and the least time of each is kept,
 so a busy spell cannot inflate all repetitions of a few neighbouring sizes.
@@ -35,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from runtime.engine.costs import running_max
 from runtime.engine.draft_head import DraftHead
 from runtime.engine.kv_cache import DraftKVCache
+from runtime.engine.tree import ancestor_mask
 
 
 @dataclass(frozen=True)
@@ -111,7 +114,7 @@ def _sync(device: torch.device) -> None:
 
 # How costs are measured, part of the cache key: entries timed by an older method (each size's
 # repetitions back to back, median kept) are measured again instead of trusted.
-METHOD = "rounds-min"
+METHOD = "rounds-min-trees"  # sizes beyond the block timed as masked trees (2026-12-07)
 TREE_POINTS = (12, 17, 24, 33, 48, 65)  # verify sizes timed beyond the block for trees
 TREE_VERIFY_TOKENS = 65  # largest tree verify costed by default (budget 64 + the anchor)
 
@@ -151,9 +154,13 @@ def measure_costs(pipeline: Any, context: int = 96, reps: int = 3, max_tokens: i
     jobs: dict[Any, Any] = {}
     for n in sizes:
         ids = prompt[:, :n]
+        tree = _tree_inputs(n, context, device) if n > b else None  # beyond the block: a masked tree verify
 
-        def verify(ids: torch.Tensor = ids) -> None:
-            target.forward(ids, cache, capture=drafter is not None)
+        def verify(ids: torch.Tensor = ids, tree: tuple[torch.Tensor, torch.Tensor] | None = tree) -> None:
+            if tree is None:
+                target.forward(ids, cache, capture=drafter is not None)
+            else:
+                target.forward(ids, cache, capture=drafter is not None, positions=tree[0], tree_mask=tree[1])
             target.crop(cache, context)
 
         jobs[n] = verify
@@ -175,6 +182,17 @@ def measure_costs(pipeline: Any, context: int = 96, reps: int = 3, max_tokens: i
     draft_rel = best["draft"] / times[0] if "draft" in best else 0.0
     base = times[0]
     return VerifyCosts(tuple(round(t / base, 4) for t in times), round(draft_rel, 4), base, round(max(spreads), 4))
+
+
+def _tree_inputs(n: int, start: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions and ancestor mask of an n-node tree shaped like a verified draft tree (a main chain
+    of 7 with side branches), for timing tree verifies as the decoder runs them."""
+    parents = [-1] + [i - 1 if i <= 7 else (i - 8) % 7 for i in range(1, n)]
+    depths = [0] * n
+    for i in range(1, n):
+        depths[i] = depths[parents[i]] + 1
+    positions = torch.tensor([start + d for d in depths], dtype=torch.long, device=device)
+    return positions, ancestor_mask(parents, device)
 
 
 def _timed_rounds(jobs: dict[Any, Any], reps: int, device: torch.device) -> tuple[dict[Any, float], list[float]]:
