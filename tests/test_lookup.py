@@ -220,3 +220,16 @@ def test_bad_lookup_lengths_are_config_errors():
         DecodeOptions(lookup=-3)
     with pytest.raises(ConfigError, match="lookup"):
         DecodeOptions(lookup=100_000)
+
+
+def test_a_middle_that_reaches_the_suffix_is_looked_up_there():
+    """Fill-in-the-middle: the prompt holds the text after the cursor, and the index covers the whole
+    prompt, so a middle that runs into what follows it gets the suffix's next tokens as its guess."""
+    from runtime.engine.lookup import ContextLookup
+    from runtime.engine.step import RequestContext
+
+    pre, suf, mid = 900, 901, 902  # stand-ins for <|fim_prefix|>, <|fim_suffix|>, <|fim_middle|>
+    prompt = [pre, 10, 11, 12, suf, 40, 41, 42, 43, 44, mid]
+    ctx = RequestContext(prompt + [20, 40, 41], torch.device("cpu"), None, index=NgramIndex(2, 4))
+    tree = ContextLookup(longest=4).graft(ctx, DraftTree((41,), (-1,), (0,), (-1,)), room=8)
+    assert tree.tokens[1:] == (42, 43, 44, mid)
