@@ -135,9 +135,9 @@ class LineClock:
 
     def feed(self, text: str, now: float) -> None:
         """Text that arrived at ``now``."""
+        self.text += text
         if self.at is not None or not text:
             return
-        self.text += text
         stripped = self.text.lstrip()
         if "\n" in stripped and stripped.split("\n", 1)[0].strip():
             self.at = now - self.t0
