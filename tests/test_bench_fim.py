@@ -35,6 +35,7 @@ class FakeLlamaServer:
 
     def __init__(self) -> None:
         self.requests: list[dict[str, Any]] = []
+        self.auth: list[str | None] = []
         self.cached = ""
         self.lock = threading.Lock()
         self.app = Starlette(routes=[Route("/infill", self.infill, methods=["POST"])])
@@ -43,6 +44,7 @@ class FakeLlamaServer:
         body = await request.json()
         with self.lock:
             self.requests.append(body)
+            self.auth.append(request.headers.get("authorization"))
             prompt = f"{body['input_prefix']}\x00{body['input_suffix']}"
             cache_n = 0
             if body.get("cache_prompt"):
@@ -175,7 +177,8 @@ def test_fim_bench_table_equality_warm_cache_and_llama_rows(fim_pair):
         assert typed["input_suffix"] == c.suffix and typed["n_predict"] == 8
 
 
-def test_fim_bench_against_a_server_only_and_formats():
+def test_fim_bench_against_a_server_only_and_formats(monkeypatch):
+    monkeypatch.setenv("DFLASH_API_KEY", "sekrit")
     fake = FakeLlamaServer()
     with ThreadServer(fake.app) as srv:
         r = bench("--server", srv.url, "--limit", "2", "-n", "4", "--format", "md")
@@ -185,6 +188,7 @@ def test_fim_bench_against_a_server_only_and_formats():
     ids = [case.id for case in load_fim_cases()[:2]]
     assert set(table) == {(i, "server") for i in ids} | {("**median**", "server")}
     assert "servers only" in r.stderr
+    assert set(fake.auth) == {"Bearer sekrit"}  # the key goes with every request
     assert c.exit_code == 0, c.output
     header, *lines = c.stdout.strip().splitlines()
     assert header.split(",") == list(COLUMNS) and lines[0].split(",")[3] == "server"

@@ -374,8 +374,11 @@ def _bench_fim(
     )
     config = FimConfig(max_new_tokens=max_tokens, warmup=warmup, dflash=dflash_opts)
     cases = limit_cases(load_fim_cases(), limit)
-    servers = ([InfillClient(server, "server")] if server else []) + (
-        [InfillClient(llama_infill, "llama.cpp")] if llama_infill else []
+    from ..common import api_key_from_env
+
+    key = api_key_from_env()
+    servers = ([InfillClient(server, "server", key)] if server else []) + (
+        [InfillClient(llama_infill, "llama.cpp", key)] if llama_infill else []
     )
     pipe = None
     quantize = None

@@ -252,20 +252,23 @@ class InfillClient:
     Args:
         url: the server (``http://host:port``; a bare ``host:port`` works).
         label: the engine name of its rows ("llama.cpp", "server").
+        api_key: sent as ``Authorization: Bearer`` (llama-server ``--api-key``, ``dflash serve``'s key).
         timeout: seconds per request.
     """
 
-    def __init__(self, url: str, label: str, timeout: float = 600.0) -> None:
+    def __init__(self, url: str, label: str, api_key: str | None = None, timeout: float = 600.0) -> None:
         from runtime.client.remote import normalize_url
 
         self.url = normalize_url(url)
         self.label = label
+        self.api_key = api_key
         self.timeout = timeout
 
     def run(self, prefix: str, suffix: str, n_predict: int, cache_prompt: bool) -> Run:
         """One greedy request; times from the client, counts and ``timings`` from the server.
 
         Raises:
+            ConfigError: the server refused the API key (401, 403).
             RemoteError: the server cannot be reached, answers an error, or streams no final chunk.
         """
         import httpx
@@ -288,7 +291,12 @@ class InfillClient:
         final: dict[str, Any] | None = None
         pieces = 0
         try:
-            with httpx.stream("POST", where, json=body, timeout=self.timeout) as resp:
+            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+            with httpx.stream("POST", where, json=body, headers=headers, timeout=self.timeout) as resp:
+                if resp.status_code in (401, 403):
+                    raise ConfigError(
+                        f"{where} refused the API key ({resp.status_code}); set DFLASH_API_KEY (or OPENAI_API_KEY)"
+                    )
                 if resp.status_code >= 400:
                     detail = resp.read().decode("utf-8", "replace").strip().splitlines()
                     raise RemoteError(
