@@ -188,7 +188,15 @@ def test_drafter_training_metadata():
 
 def test_builtin_prompt_sets_are_offline():
     sizes = {name: len(load_dataset(name).prompts) for name in DATASETS}
-    assert sizes == {"humaneval": 164, "mbpp": 40, "gsm8k": 40, "mt-bench": 80, "chat-coding": 12, "ood-chat": 22}
+    assert sizes == {
+        "humaneval": 164,
+        "mbpp": 40,
+        "gsm8k": 40,
+        "mt-bench": 80,
+        "chat-coding": 12,
+        "ood-chat": 22,
+        "fim": 27,
+    }
     he = load_dataset("humaneval").prompts[0]
     assert he.id == "HumanEval/0" and he.mode == "raw" and he.text.startswith("from typing import List")
     mb = load_dataset("MBPP").prompts[0]

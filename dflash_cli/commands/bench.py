@@ -109,14 +109,22 @@ def bench(
     drafter: DrafterOpt = None,
     dataset: Annotated[
         str | None,
-        typer.Option("--dataset", "-d", help="Prompt set: humaneval (default), mbpp, gsm8k, mt-bench, ood-chat."),
+        typer.Option(
+            "--dataset",
+            "-d",
+            help="Prompt set: humaneval (default), mbpp, gsm8k, mt-bench, ood-chat, chat-coding; fim = code "
+            "completion cases (fill-in-the-middle, its own table: docs/bench.md).",
+        ),
     ] = None,
     prompts_file: Annotated[
         str | None,
         typer.Option("--prompts", "-p", help="Prompt file: JSONL ('prompt'/'messages' keys) or text, one per line."),
     ] = None,
     limit: Annotated[int | None, typer.Option("--limit", "-l", help="Use the first N prompts.")] = None,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="New tokens per prompt.")] = 128,
+    max_tokens: Annotated[
+        int | None,
+        typer.Option("--max-tokens", "-n", help="New tokens per prompt (default 128; 64 with --dataset fim)."),
+    ] = None,
     temperature: Annotated[float, typer.Option("--temperature", "-t", help="0 = greedy (checked against ar).")] = 0.0,
     methods: Annotated[
         str | None,
@@ -173,10 +181,54 @@ def bench(
     threads: ThreadsOpt = None,
     engine: EngineOpt = None,
     server: ServerOpt = None,
+    llama_infill: Annotated[
+        str | None,
+        typer.Option(
+            "--llama-infill",
+            help="With --dataset fim: also measure a llama.cpp server's /infill (same cases, same requests), "
+            "e.g. http://127.0.0.1:8080.",
+        ),
+    ] = None,
 ) -> None:
     """Run a prompt set through ar, hf, pld, assisted and dflash on the same target; compare speed."""
     if ctx.invoked_subcommand is not None:
         return
+    if dataset is not None and dataset.strip().lower() == "fim":
+        ignored = {
+            "--prompts": prompts_file is not None,
+            "--temperature": temperature != 0.0,
+            "--methods": methods is not None,
+            "--tree-budgets": tree_budgets is not None,
+            "--lookups": lookups is not None,
+            "--assistant": assistant is not None,
+            "--pld-tokens": pld_tokens != 10,
+            "--stop-at-eos": stop_at_eos,
+            "--raw": raw,
+            "--chat": chat,
+            "--thinking": thinking,
+            "--label": label is not None,
+            "--tokens": tokens,
+        }
+        if server and (target or drafter):
+            raise typer.BadParameter("--server excludes --target/--drafter: the server decides the models")
+        _bench_fim(
+            [flag for flag, given in ignored.items() if given],
+            session=None
+            if server
+            else (model, target, drafter, device, dtype, offline, revision, quantize, threads, engine),
+            server=server,
+            llama_infill=llama_infill,
+            limit=limit,
+            max_tokens=64 if max_tokens is None else max_tokens,
+            warmup=warmup,
+            block_size=block_size,
+            decode=(verify_length, tree_budget, lookup, confidence_cut),
+            fmt=fmt,
+        )
+        return
+    if llama_infill:
+        raise typer.BadParameter("--llama-infill measures /infill: it goes with --dataset fim")
+    max_tokens = 128 if max_tokens is None else max_tokens
     from runtime.bench.datasets import load_dataset, load_prompt_file
     from runtime.bench.runner import BenchConfig
     from runtime.bench.store import BenchStore
@@ -274,6 +326,81 @@ def bench(
         sys.stdout.write(bench_table(doc) + "\n")
     else:
         sys.stdout.write(bench_csv(doc))
+    sys.stdout.flush()
+
+
+def _bench_fim(
+    refused: list[str],
+    session: tuple[Any, ...] | None,
+    server: str | None,
+    llama_infill: str | None,
+    limit: int | None,
+    max_tokens: int,
+    warmup: int,
+    block_size: str | None,
+    decode: tuple[Any, ...],
+    fmt: BenchFormat,
+) -> None:
+    """`dflash bench --dataset fim`: the FIM cases on the local pair (ar and dflash, cold and warm) and
+    on the /infill servers named (``--server``, ``--llama-infill``); runtime.bench.fim measures."""
+    from runtime.bench.fim import (
+        FimConfig,
+        InfillClient,
+        csv_text,
+        header_lines,
+        limit_cases,
+        load_fim_cases,
+        markdown_table,
+        run_fim_bench,
+    )
+    from runtime.config import DecodeOptions
+    from runtime.errors import ConfigError
+
+    if refused:
+        raise ConfigError(
+            f"--dataset fim does not take {', '.join(refused)}: it runs greedy ar and dflash on each case "
+            "and is not stored in bench history (docs/bench.md)"
+        )
+    sizes = _block_sizes(block_size)
+    if len(sizes) > 1:
+        raise ConfigError("--dataset fim takes one --block-size, not a sweep")
+    verify_length, tree_budget, lookup, confidence_cut = decode
+    dflash_opts = DecodeOptions(
+        block_size=sizes[0] if sizes else None,
+        verify_length=verify_length,
+        tree_budget=tree_budget,
+        lookup=lookup,
+        confidence_cut=confidence_cut_setting(confidence_cut),
+    )
+    config = FimConfig(max_new_tokens=max_tokens, warmup=warmup, dflash=dflash_opts)
+    cases = limit_cases(load_fim_cases(), limit)
+    from ..common import api_key_from_env
+
+    key = api_key_from_env()
+    servers = ([InfillClient(server, "server", key)] if server else []) + (
+        [InfillClient(llama_infill, "llama.cpp", key)] if llama_infill else []
+    )
+    pipe = None
+    quantize = None
+    if session is not None:
+        model, target, drafter, device, dtype, offline, revision, quantize, threads, engine = session
+        pipe = open_pipeline(
+            session_options(model, target, drafter, device, dtype, offline, revision, quantize, threads, engine=engine)
+        )
+        warn_block_size(pipe, sizes)
+        if pipe.drafter is None:
+            _err(f"dflash: note: no drafter loaded for {pipe.pair.target_name}; skipping the dflash rows")
+    result = _run_with_progress(lambda progress: run_fim_bench(pipe, cases, config, servers, progress, quantize))
+    table = markdown_table(result)
+    for line in header_lines(result):
+        _err(line)
+    _err(table)
+    if fmt == BenchFormat.json:
+        sys.stdout.write(json.dumps(result.to_json(), ensure_ascii=False) + "\n")
+    elif fmt == BenchFormat.md:
+        sys.stdout.write(table + "\n")
+    else:
+        sys.stdout.write(csv_text(result))
     sys.stdout.flush()
 
 

