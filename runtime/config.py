@@ -80,7 +80,7 @@ class DFlashConfig:
         copy_ngram: (shortest, longest) context n-gram whose continuation the drafter is shown as
             copy inputs (``runtime.engine.ngram.block_copies``), or None for a drafter without them.
         copy_corpus: (shortest, longest) n-gram of the drafter's corpus table
-            (``runtime.engine.corpus``), shown where the context has no match of two tokens; None
+            (``runtime.engine.models.corpus``), shown where the context has no match of two tokens; None
             without one. Needs ``copy_ngram``.
     """
 

@@ -21,8 +21,14 @@ from typing import Any, Literal
 import torch
 
 from runtime.config import RuntimeConfig
-from runtime.engine.device import cpu_bf16_decodes_fast, device_description, dtype_name, resolve_device, resolve_dtype
-from runtime.engine.drafter import DraftModelConfig
+from runtime.engine.models.device import (
+    cpu_bf16_decodes_fast,
+    device_description,
+    dtype_name,
+    resolve_device,
+    resolve_dtype,
+)
+from runtime.engine.models.drafter import DraftModelConfig
 from runtime.errors import ConfigError, DFlashError, ModelLoadError, ModelNotFoundError
 from runtime.models import embedded, presets
 from runtime.models.compat import FIX as PAIR_FIX

@@ -20,13 +20,13 @@ from runtime.config import DecodeOptions, RuntimeConfig, SamplingParams
 from runtime.engine import CancelToken, Decoder, select_decoder
 from runtime.engine.calibrate import VerifyCosts
 from runtime.engine.confidence import HitRates
-from runtime.engine.device import dtype_name, resolve_device, resolve_dtype
-from runtime.engine.drafter import DFlashDraftModel, DraftModelConfig, load_draft_model, read_draft_config
 from runtime.engine.events import DecodeEvent
-from runtime.engine.lean_target import LeanTarget, lean_supported
-from runtime.engine.linear import activations_in, all_linears_packed, int8_linears, pack_linears
+from runtime.engine.models.device import dtype_name, resolve_device, resolve_dtype
+from runtime.engine.models.drafter import DFlashDraftModel, DraftModelConfig, load_draft_model, read_draft_config
+from runtime.engine.models.lean_target import LeanTarget, lean_supported
+from runtime.engine.models.linear import activations_in, all_linears_packed, int8_linears, pack_linears
+from runtime.engine.models.target import TargetModel
 from runtime.engine.prompt_cache import PromptCache
-from runtime.engine.target import TargetModel
 from runtime.errors import ConfigError, InputError, ModelLoadError, UnsupportedModelError
 from runtime.models import embedded, presets
 from runtime.models.compat import ensure_compatible
@@ -135,7 +135,7 @@ def resolve_pair(ref: ModelRef, opts: LoadOptions, progress: Progress | None = N
 
 def read_drafter_config(drafter_dir: Path) -> DraftModelConfig:
     """Parse a drafter's config.json without loading weights (its schema: the file and field named
-    in every error, ``runtime.engine.drafter.read_draft_config``)."""
+    in every error, ``runtime.engine.models.drafter.read_draft_config``)."""
     return read_draft_config(drafter_dir)
 
 
@@ -200,7 +200,7 @@ def load_tokenizer(target_dir: Path) -> Any | None:
 
 
 def make_target(model: Any, engine: str = "auto", progress: Progress | None = None) -> TargetModel:
-    """Wrap a loaded causal LM: the lean forward where it runs (``runtime.engine.lean_target``),
+    """Wrap a loaded causal LM: the lean forward where it runs (``runtime.engine.models.lean_target``),
     else transformers' own.
 
     Raises:

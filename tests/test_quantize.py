@@ -12,7 +12,7 @@ from safetensors import safe_open
 from torch import nn
 
 from runtime import LoadOptions, ModelRef, RuntimeConfig, SamplingParams, load_pipeline
-from runtime.engine.target import TargetModel
+from runtime.engine.models.target import TargetModel
 from runtime.errors import ConfigError, ModelLoadError
 from runtime.quantize.io import QUANT_KEY, read_saved_quantization
 from runtime.quantize.job import QuantizeRequest, quantize_pair

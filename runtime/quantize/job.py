@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from runtime.config import RuntimeConfig
-from runtime.engine.device import dtype_name, resolve_device, resolve_dtype
+from runtime.engine.models.device import dtype_name, resolve_device, resolve_dtype
 from runtime.errors import ConfigError
 from runtime.models import embedded
 from runtime.pipeline import LoadOptions, ModelRef, load_pipeline, read_target_config, resolve_pair

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from runtime.engine.device import cpu_has_fast_bf16
+from runtime.engine.models.device import cpu_has_fast_bf16
 
 
 def _plain(t: torch.Tensor | None) -> bool:
@@ -55,7 +55,7 @@ def _native_bf16() -> Any:
     """dflash's bf16 GEMM where oneDNN has no native bf16 on this CPU (else None)."""
     if cpu_has_fast_bf16():
         return None
-    from runtime.engine.kernels import bf16_gemm
+    from runtime.engine.models.kernels import bf16_gemm
 
     return bf16_gemm()
 
@@ -63,7 +63,7 @@ def _native_bf16() -> Any:
 def _native_f32() -> Any:
     """dflash's float32 GEMM for decode and verify steps on a CPU (else None: not built here, or
     switched off with ``DFLASH_NATIVE=0``)."""
-    from runtime.engine.kernels import f32_gemm
+    from runtime.engine.models.kernels import f32_gemm
 
     return f32_gemm()
 
@@ -148,7 +148,7 @@ class FusedLinear:
         )
         self.native: Any = None  # int8 mode: the compiled kernel (runtime.engine.kernels), else ATen's
         if self.int8:
-            from runtime.engine.kernels import int8_gemm
+            from runtime.engine.models.kernels import int8_gemm
 
             self.native = int8_gemm()
             scale_dtype = torch.float32 if self.native is not None else torch.bfloat16

@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.config import DFlashConfig
-from runtime.engine.corpus import CORPUS_FILE, CorpusTable, corpus_rows
-from runtime.engine.drafter_schema import parse_config, read_json_object, read_weight_index
-from runtime.engine.kv_cache import DraftKVCache
+from runtime.engine.models.corpus import CORPUS_FILE, CorpusTable, corpus_rows
+from runtime.engine.models.drafter_schema import parse_config, read_json_object, read_weight_index
+from runtime.engine.models.kv_cache import DraftKVCache
 from runtime.errors import ConfigError, ModelLoadError
 
 
@@ -72,7 +72,7 @@ class DraftModelConfig:
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], source: Path | str | None = None) -> DraftModelConfig:
         """Parse a drafter config.json dict (``dflash_config`` nested or at top level) through its
-        schema (``runtime.engine.drafter_schema``).
+        schema (``runtime.engine.models.drafter_schema``).
 
         Args:
             cfg: the parsed config.json.
@@ -650,7 +650,7 @@ def copy_rows(dflash: DFlashConfig) -> int:
 def add_copy_corpus(
     model: DFlashDraftModel, ngram: tuple[int, int], table: CorpusTable | None = None
 ) -> DFlashDraftModel:
-    """Give a drafter with copy inputs a corpus table (``runtime.engine.corpus``).
+    """Give a drafter with copy inputs a corpus table (``runtime.engine.models.corpus``).
 
     The corpus's new ``copy_scale`` / ``copy_bias`` rows start as copies of the context's 1-gram
     row: a corpus proposal replaces a 1-gram context copy (or nothing) and starts out trusted as
