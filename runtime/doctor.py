@@ -28,7 +28,7 @@ from runtime.engine.models.device import (
     resolve_device,
     resolve_dtype,
 )
-from runtime.engine.models.drafter import DraftModelConfig
+from runtime.engine.models.drafter_config import DraftModelConfig
 from runtime.errors import ConfigError, DFlashError, ModelLoadError, ModelNotFoundError
 from runtime.models import embedded, presets
 from runtime.models.compat import FIX as PAIR_FIX

@@ -22,7 +22,9 @@ from runtime.engine.calibrate import VerifyCosts
 from runtime.engine.confidence import HitRates
 from runtime.engine.events import DecodeEvent
 from runtime.engine.models.device import dtype_name, resolve_device, resolve_dtype
-from runtime.engine.models.drafter import DFlashDraftModel, DraftModelConfig, load_draft_model, read_draft_config
+from runtime.engine.models.drafter import DFlashDraftModel
+from runtime.engine.models.drafter_config import DraftModelConfig, read_draft_config
+from runtime.engine.models.drafter_io import load_draft_model
 from runtime.engine.models.lean_target import LeanTarget, lean_supported
 from runtime.engine.models.linear import activations_in, all_linears_packed, int8_linears, pack_linears
 from runtime.engine.models.target import TargetModel
@@ -135,7 +137,7 @@ def resolve_pair(ref: ModelRef, opts: LoadOptions, progress: Progress | None = N
 
 def read_drafter_config(drafter_dir: Path) -> DraftModelConfig:
     """Parse a drafter's config.json without loading weights (its schema: the file and field named
-    in every error, ``runtime.engine.models.drafter.read_draft_config``)."""
+    in every error, ``runtime.engine.models.drafter_config.read_draft_config``)."""
     return read_draft_config(drafter_dir)
 
 

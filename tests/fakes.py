@@ -25,7 +25,9 @@ from runtime.engine.events import (
     TokenEvent,
     TokenStatus,
 )
-from runtime.engine.models.drafter import DFlashDraftModel, DraftModelConfig, save_draft_model
+from runtime.engine.models.drafter import DFlashDraftModel
+from runtime.engine.models.drafter_config import DraftModelConfig
+from runtime.engine.models.drafter_io import save_draft_model
 from runtime.engine.propose import DrafterProposer
 
 CHATML = (

@@ -20,7 +20,8 @@ from runtime.engine import chain_decoder, tree_decoder
 from runtime.engine import propose as propose_module
 from runtime.engine.events import BlockVerified
 from runtime.engine.models.corpus import CORPUS_FILE, CorpusCounts, CorpusTable, corpus_chain
-from runtime.engine.models.drafter import add_copy_corpus, add_copy_inputs, load_draft_model, save_draft_model
+from runtime.engine.models.drafter_io import load_draft_model, save_draft_model
+from runtime.engine.models.drafter_surgery import add_copy_corpus, add_copy_inputs
 from runtime.engine.models.target import TargetModel
 from runtime.engine.ngram import NgramIndex, block_copies
 from runtime.errors import ConfigError, ModelLoadError

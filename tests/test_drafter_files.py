@@ -17,7 +17,8 @@ from typer.testing import CliRunner
 
 from dflash_cli.app import app
 from runtime.engine.models.corpus import CORPUS_FILE, CorpusTable
-from runtime.engine.models.drafter import add_copy_corpus, add_copy_inputs, load_draft_model, save_draft_model
+from runtime.engine.models.drafter_io import load_draft_model, save_draft_model
+from runtime.engine.models.drafter_surgery import add_copy_corpus, add_copy_inputs
 from runtime.errors import ModelLoadError
 from tests.fakes import one_line_error
 

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from runtime.config import SamplingParams
 from runtime.engine import chain_decoder, plain_decoder
-from runtime.engine.models.drafter import load_draft_model
+from runtime.engine.models.drafter_io import load_draft_model
 from runtime.engine.models.target import TargetModel
 from runtime.pipeline import load_target_model
 from tests.fakes import collect_ids

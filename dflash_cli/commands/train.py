@@ -355,7 +355,7 @@ def train(
         raise typer.BadParameter("the target has no tokenizer; dflash train needs one to build prompts")
     _record_command(out, sys.argv)  # only invocations that got as far as building data or training
     say = _printer()
-    from runtime.engine.models.drafter import default_target_layer_ids
+    from runtime.engine.models.drafter_config import default_target_layer_ids
 
     data_taps = tap_ids or tuple(default_target_layer_ids(pipe.target.num_layers, layers or 1))
     if resume and (out / "checkpoint" / "config.json").exists():
@@ -770,7 +770,7 @@ def _in_distribution_prompts(data_dir: Path | None, n: int) -> tuple[str, list[A
 def _teacher_forced(pipe: Any, out: Path, sets: dict[str, Path | None]) -> dict[str, Any]:
     """Top-k coverage per slot, OOV share and teacher-forced tau of the checkpoint on datasets of
     target answers (the validation shard, the OOD answers)."""
-    from runtime.engine.models.drafter import load_draft_model
+    from runtime.engine.models.drafter_io import load_draft_model
     from runtime.errors import ConfigError
     from runtime.train.api import frozen_weights, open_datasets, open_eval_set
     from runtime.train.trainer import TrainConfig, Trainer
@@ -809,7 +809,7 @@ def _evaluate(
     teacher-forced top-k coverage and OOV share on the target's answers to both."""
     import torch
 
-    from runtime.engine.models.drafter import load_draft_model
+    from runtime.engine.models.drafter_io import load_draft_model
     from runtime.session import calibrate
     from runtime.train.evaluate import EvalResult, evaluate
     from runtime.train.heldout import ood_prompts

@@ -253,7 +253,7 @@ def save_drafter_for_scheme(drafter: Any, out: Path, scheme: str, source: str) -
 
     Drafters are small (tens of MB), so they are kept in float on disk whatever the scheme.
     """
-    from runtime.engine.models.drafter import save_draft_model
+    from runtime.engine.models.drafter_io import save_draft_model
 
     spec = get_scheme(scheme)
     dtype = next(p.dtype for p in drafter.parameters() if p.is_floating_point())

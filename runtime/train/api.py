@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from runtime.engine.models.drafter import add_copy_corpus, add_copy_inputs, load_draft_model, save_draft_model
+from runtime.engine.models.drafter_io import load_draft_model, save_draft_model
+from runtime.engine.models.drafter_surgery import add_copy_corpus, add_copy_inputs
 from runtime.engine.models.target import TargetModel
 from runtime.errors import ConfigError
 from runtime.train import vocab as vocab_mod
@@ -68,7 +69,7 @@ class DrafterSpec:
         grow_to: with ``from_drafter``, append identity-initialised layers up to this many
             (``warm_start``; None keeps the source's layer count).
         copy_ngram: give the drafter copy inputs for these (shortest, longest) context n-gram
-            matches (``runtime.engine.models.drafter.add_copy_inputs``; they start at zero, so a warm-started
+            matches (``runtime.engine.models.drafter_surgery.add_copy_inputs``; they start at zero, so a warm-started
             drafter drafts as before until trained); None: none added (a source drafter keeps its own).
         copy_corpus: give the drafter (which must have copy inputs) a corpus table of these
             (shortest, longest) n-grams, counted over the run's training answers

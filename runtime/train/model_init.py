@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-from runtime.engine.models.drafter import DFlashDraftModel, DraftModelConfig, default_target_layer_ids
+from runtime.engine.models.drafter import DFlashDraftModel
+from runtime.engine.models.drafter_config import DraftModelConfig, default_target_layer_ids
 from runtime.models.compat import target_dims
 
 

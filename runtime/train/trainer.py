@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from runtime.engine.models.corpus import CorpusCounts, CorpusTable, Query
-from runtime.engine.models.drafter import DFlashDraftModel, draft_columns_to_ids, load_draft_model, save_draft_model
+from runtime.engine.models.drafter import DFlashDraftModel, draft_columns_to_ids
+from runtime.engine.models.drafter_io import load_draft_model, save_draft_model
 from runtime.engine.ngram import NgramIndex, block_copies
 from runtime.errors import ConfigError
 from runtime.train.data import Shard, load_shard
