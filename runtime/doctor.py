@@ -396,7 +396,8 @@ def run_doctor(
     Returns:
         The checks in report order; any with status "fail" means the pair will not run as asked.
     """
-    from runtime.pipeline import read_drafter_config, read_target_config
+    from runtime.engine.models.drafter_config import read_draft_config
+    from runtime.models.configs import read_target_config
 
     checks: list[Check] = [_software()]
     dev_check, device = _device(runtime)
@@ -445,7 +446,7 @@ def run_doctor(
             checks.append(_fail("target", e, "use a causal LM that transformers supports"))
     if drafter is not None and drafter.folder is not None and (drafter.folder / "config.json").exists():
         try:
-            draft_cfg = read_drafter_config(drafter.folder)
+            draft_cfg = read_draft_config(drafter.folder)
         except DFlashError as e:
             checks.append(_fail("drafter", e, "is this a DFlash drafter? see `dflash models --presets`"))
     if target_cfg is not None and draft_cfg is not None:

@@ -233,7 +233,7 @@ def test_lean_forward_on_quantized_target_equals_its_plain_greedy(scheme):
     int4: torchao's modules, unpacked); DFlash on them equals plain greedy decoding of the same
     quantized target, in float32."""
     pytest.importorskip("torchao")
-    from runtime.quantize.schemes import quantize_model_inplace
+    from runtime.models.quant_schemes import quantize_model_inplace
 
     model = make_target("qwen2", vocab_size=96, seed=3)
     quantize_model_inplace(model, scheme, "cpu")
@@ -254,7 +254,7 @@ def test_lean_int8_logits_stay_close_to_the_quantized_modules():
     """The int8 GEMM path (bf16 activations inside the GEMM, int8 head) computes the same function
     as torchao's int8 modules with a float head, up to bf16 rounding and the head's quantization."""
     pytest.importorskip("torchao")
-    from runtime.quantize.schemes import quantize_model_inplace
+    from runtime.models.quant_schemes import quantize_model_inplace
 
     model = make_target("qwen3", vocab_size=96, seed=5)
     quantize_model_inplace(model, "int8", "cpu")

@@ -25,7 +25,7 @@ def _target(arch: str, weights: str, seed: int, monkeypatch: pytest.MonkeyPatch)
     model = make_target(arch, vocab_size=96, seed=seed)
     if weights == "int8":
         pytest.importorskip("torchao")
-        from runtime.quantize.schemes import quantize_model_inplace
+        from runtime.models.quant_schemes import quantize_model_inplace
 
         quantize_model_inplace(model, "int8", "cpu")
         return model
