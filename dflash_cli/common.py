@@ -168,7 +168,7 @@ def confidence_cut(flag: bool | None) -> bool:
 
 def configure_kernels() -> None:
     """Native CPU kernels: on unless DFLASH_NATIVE=0, compiled into $DFLASH_HOME/kernels."""
-    from runtime.engine import kernels
+    from runtime.engine.models import kernels
 
     off = os.environ.get("DFLASH_NATIVE", "1").strip().lower() in ("0", "false", "no", "off")
     kernels.configure(enabled=not off, cache=data_home() / "kernels")

@@ -83,7 +83,7 @@ class DFlashConfig:
         copy_ngram: (shortest, longest) context n-gram whose continuation the drafter is shown as
             copy inputs (``runtime.engine.ngram.block_copies``), or None for a drafter without them.
         copy_corpus: (shortest, longest) n-gram of the drafter's corpus table
-            (``runtime.engine.corpus``), shown where the context has no match of two tokens; None
+            (``runtime.engine.models.corpus``), shown where the context has no match of two tokens; None
             without one. Needs ``copy_ngram``.
     """
 
@@ -160,9 +160,9 @@ class DecodeOptions:
         decoder: "dflash" (speculative) or "ar" (plain autoregressive, the baseline).
         block_size: drafter block size override (None: the drafter's own).
         verify_length: drafts verified per step (None: chosen for the device, see
-            ``runtime.engine.verify_length``). Setting ``block_size`` without it verifies the whole block.
+            ``runtime.engine.plan``). Setting ``block_size`` without it verifies the whole block.
         tree_budget: tree verification (DDTree) with this many drafted nodes per verify; 0 = the
-            chain; None: chosen for the device (``runtime.engine.tree_budget``) when the verify
+            chain; None: chosen for the device (``runtime.engine.plan``) when the verify
             costs of trees are known, else the chain.
         lookup: with tree verification, most tokens per step copied from the context where its last
             tokens occurred before (``runtime.engine.lookup``); 0 = off; None: the default

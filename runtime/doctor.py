@@ -21,8 +21,14 @@ from typing import Any, Literal
 import torch
 
 from runtime.config import RuntimeConfig
-from runtime.engine.device import cpu_bf16_decodes_fast, device_description, dtype_name, resolve_device, resolve_dtype
-from runtime.engine.drafter import DraftModelConfig
+from runtime.engine.models.device import (
+    cpu_bf16_decodes_fast,
+    device_description,
+    dtype_name,
+    resolve_device,
+    resolve_dtype,
+)
+from runtime.engine.models.drafter_config import DraftModelConfig
 from runtime.errors import ConfigError, DFlashError, ModelLoadError, ModelNotFoundError
 from runtime.models import embedded, presets
 from runtime.models.compat import FIX as PAIR_FIX
@@ -390,7 +396,8 @@ def run_doctor(
     Returns:
         The checks in report order; any with status "fail" means the pair will not run as asked.
     """
-    from runtime.pipeline import read_drafter_config, read_target_config
+    from runtime.engine.models.drafter_config import read_draft_config
+    from runtime.models.configs import read_target_config
 
     checks: list[Check] = [_software()]
     dev_check, device = _device(runtime)
@@ -439,7 +446,7 @@ def run_doctor(
             checks.append(_fail("target", e, "use a causal LM that transformers supports"))
     if drafter is not None and drafter.folder is not None and (drafter.folder / "config.json").exists():
         try:
-            draft_cfg = read_drafter_config(drafter.folder)
+            draft_cfg = read_draft_config(drafter.folder)
         except DFlashError as e:
             checks.append(_fail("drafter", e, "is this a DFlash drafter? see `dflash models --presets`"))
     if target_cfg is not None and draft_cfg is not None:

@@ -20,16 +20,19 @@ from runtime.config import DecodeOptions, RuntimeConfig, SamplingParams
 from runtime.engine import CancelToken, Decoder, select_decoder
 from runtime.engine.calibrate import VerifyCosts
 from runtime.engine.confidence import HitRates
-from runtime.engine.device import dtype_name, resolve_device, resolve_dtype
-from runtime.engine.drafter import DFlashDraftModel, DraftModelConfig, load_draft_model, read_draft_config
 from runtime.engine.events import DecodeEvent
-from runtime.engine.lean_target import LeanTarget, lean_supported
-from runtime.engine.linear import activations_in, all_linears_packed, int8_linears, pack_linears
+from runtime.engine.models.device import dtype_name, resolve_device, resolve_dtype
+from runtime.engine.models.drafter import DFlashDraftModel
+from runtime.engine.models.drafter_config import read_draft_config
+from runtime.engine.models.drafter_io import load_draft_model
+from runtime.engine.models.lean_target import LeanTarget, lean_supported
+from runtime.engine.models.linear import activations_in, all_linears_packed, int8_linears, pack_linears
+from runtime.engine.models.target import TargetModel
 from runtime.engine.prompt_cache import PromptCache
-from runtime.engine.target import TargetModel
 from runtime.errors import ConfigError, InputError, ModelLoadError, UnsupportedModelError
 from runtime.models import embedded, presets
 from runtime.models.compat import ensure_compatible
+from runtime.models.configs import read_target_config
 from runtime.models.hub import resolve_model
 from runtime.textio import check_text
 
@@ -107,7 +110,7 @@ def resolve_pair(ref: ModelRef, opts: LoadOptions, progress: Progress | None = N
     target = ref.target or (preset.target if preset else None)
     drafter = ref.drafter or (preset.drafter if preset else None)
     if drafter is None and ref.target:
-        from runtime.quantize.io import recorded_drafter
+        from runtime.models.quantized import recorded_drafter
 
         drafter = recorded_drafter(ref.target)  # a `dflash quantize` folder remembers its drafter
     assert target is not None
@@ -133,33 +136,13 @@ def resolve_pair(ref: ModelRef, opts: LoadOptions, progress: Progress | None = N
     return ResolvedPair(target_dir, drafter_dir, target_name, drafter_name, thinking)
 
 
-def read_drafter_config(drafter_dir: Path) -> DraftModelConfig:
-    """Parse a drafter's config.json without loading weights (its schema: the file and field named
-    in every error, ``runtime.engine.drafter.read_draft_config``)."""
-    return read_draft_config(drafter_dir)
-
-
-def read_target_config(target_dir: Path) -> Any:
-    """The transformers config of a target folder, without weights."""
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(str(target_dir), local_files_only=True, trust_remote_code=False)
-    except (ValueError, KeyError) as e:
-        raise UnsupportedModelError(
-            f"transformers cannot read the target config in {target_dir}: {str(e).splitlines()[0]}"
-        ) from e
-    except OSError as e:
-        raise ModelLoadError(f"cannot read the target config in {target_dir}: {e}") from e
-
-
 def load_target_model(target_dir: Path, device: torch.device, dtype: torch.dtype, attn: str = "sdpa") -> Any:
     """``AutoModelForCausalLM.from_pretrained`` with clear errors (no remote code, local files only)."""
     import importlib.util
 
     from transformers import AutoModelForCausalLM
 
-    from runtime.quantize.io import apply_saved_quantization, prepare_saved_load
+    from runtime.models.quantized import apply_saved_quantization, prepare_saved_load
 
     prepare_saved_load(target_dir, device, dtype)  # a `dflash quantize` folder: can it run here?
     kw: dict[str, Any] = {"dtype": dtype, "local_files_only": True, "trust_remote_code": False}
@@ -200,7 +183,7 @@ def load_tokenizer(target_dir: Path) -> Any | None:
 
 
 def make_target(model: Any, engine: str = "auto", progress: Progress | None = None) -> TargetModel:
-    """Wrap a loaded causal LM: the lean forward where it runs (``runtime.engine.lean_target``),
+    """Wrap a loaded causal LM: the lean forward where it runs (``runtime.engine.models.lean_target``),
     else transformers' own.
 
     Raises:
@@ -247,7 +230,7 @@ class Pipeline:
         self.dtype = dtype
         self.load_seconds = load_seconds
         self.costs: VerifyCosts | None = None  # measured verify/draft costs (runtime.engine.calibrate)
-        self.quantization: str | None = None  # weight-only scheme of the target (runtime.quantize.schemes)
+        self.quantization: str | None = None  # weight-only scheme of the target (runtime.models.quant_schemes)
         # the confidence cut's calibration of this pair's drafter, shared by every request
         self.hit_rates = HitRates()
         # the caches of this pair's last requests, reused for the prefix a new prompt shares with them
@@ -421,7 +404,7 @@ def load_pipeline(
     device = resolve_device(runtime.device)
     dtype = resolve_dtype(runtime.dtype, device)
     pair = resolve_pair(ref, opts, progress)
-    from runtime.quantize.io import (
+    from runtime.models.quantized import (
         apply_saved_quantization,
         check_quantize_request,
         prepare_saved_load,
@@ -431,7 +414,7 @@ def load_pipeline(
     saved = read_saved_quantization(pair.target_dir)
     if runtime.dtype == "auto" and (opts.quantize or (saved is not None and saved.scheme is not None)):
         dtype = resolve_dtype("auto", device, quantized=True)  # a dflash-quantized target: the activations' dtype
-    draft_cfg = read_drafter_config(pair.drafter_dir) if pair.drafter_dir else None
+    draft_cfg = read_draft_config(pair.drafter_dir) if pair.drafter_dir else None
     if draft_cfg is not None:
         ensure_compatible(read_target_config(pair.target_dir), draft_cfg, pair.target_name, pair.drafter_name or "")
 
@@ -443,7 +426,7 @@ def load_pipeline(
         progress(f"loading {pair.target_name} on {device} ({dtype_name(dtype)})")
     model = load_target_model(pair.target_dir, device, dtype, runtime.attn_implementation)
     if opts.quantize:
-        from runtime.quantize.schemes import quantize_model_inplace
+        from runtime.models.quant_schemes import quantize_model_inplace
 
         if progress:
             progress(f"quantizing {pair.target_name} ({opts.quantize})")

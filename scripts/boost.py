@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from runtime.engine.drafter import load_draft_model
+from runtime.engine.models.drafter_io import load_draft_model
 from runtime.engine.ngram import NgramIndex
 from runtime.models.embedded import embedded_target_dir
 from runtime.train.api import open_eval_set

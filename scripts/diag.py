@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
-from runtime.engine.drafter import load_draft_model
+from runtime.engine.models.drafter_io import load_draft_model
 from runtime.models.embedded import embedded_target_dir
 from runtime.train.api import open_eval_set
 from runtime.train.trainer import CorpusSource, TrainConfig, Trainer, build_batch

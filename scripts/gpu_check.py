@@ -39,9 +39,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from runtime.config import SamplingParams  # noqa: E402
 from runtime.engine import chain_decoder, plain_decoder, transfer, tree_decoder  # noqa: E402
-from runtime.engine.drafter import DFlashDraftModel, DraftModelConfig  # noqa: E402
 from runtime.engine.events import BlockVerified, Finished  # noqa: E402
-from runtime.engine.lean_target import LeanTarget  # noqa: E402
+from runtime.engine.models.drafter import DFlashDraftModel
+from runtime.engine.models.drafter_config import DraftModelConfig  # noqa: E402
+from runtime.engine.models.lean_target import LeanTarget  # noqa: E402
 from runtime.engine.propose import DrafterProposer  # noqa: E402
 from runtime.engine.step import RequestContext  # noqa: E402
 

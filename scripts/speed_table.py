@@ -87,12 +87,12 @@ def dflash_rows(args: argparse.Namespace, prompt_texts: list[str]) -> list[dict[
     from runtime import DecodeOptions, LoadOptions, ModelRef, RuntimeConfig, SamplingParams, load_pipeline
     from runtime.engine.calibrate import TREE_VERIFY_TOKENS, cached_costs
     from runtime.engine.events import Finished
-    from runtime.engine.target import TargetModel
+    from runtime.engine.models.target import TargetModel
 
     torch.set_num_threads(args.threads)
     rows = []
     params = SamplingParams(max_new_tokens=args.max_tokens)
-    from runtime.engine.device import dtype_name
+    from runtime.engine.models.device import dtype_name
 
     configs = [
         (quant, dtype, engine)

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from runtime.engine.drafter import load_draft_model
+from runtime.engine.models.drafter_io import load_draft_model
 from runtime.models.embedded import embedded_drafter_dir, embedded_target_dir
 from runtime.train.api import open_eval_set
 from runtime.train.trainer import TrainConfig, Trainer

@@ -16,7 +16,6 @@ import torch
 from runtime.config import SamplingParams
 from runtime.engine import CancelToken, chain_decoder, tree_decoder
 from runtime.engine.acceptance import AcceptanceCounter
-from runtime.engine.drafter import DFlashDraftModel, DraftModelConfig, save_draft_model
 from runtime.engine.events import (
     BlockVerified,
     DecodeEvent,
@@ -26,6 +25,9 @@ from runtime.engine.events import (
     TokenEvent,
     TokenStatus,
 )
+from runtime.engine.models.drafter import DFlashDraftModel
+from runtime.engine.models.drafter_config import DraftModelConfig
+from runtime.engine.models.drafter_io import save_draft_model
 from runtime.engine.propose import DrafterProposer
 
 CHATML = (

@@ -10,8 +10,8 @@ from typer.testing import CliRunner
 from dflash_cli.app import app
 from dflash_cli.commands.quantize import SchemeChoice
 from runtime.errors import ConfigError, ModelLoadError
-from runtime.quantize.io import QUANT_KEY
-from runtime.quantize.schemes import SCHEMES
+from runtime.models.quant_schemes import SCHEMES
+from runtime.models.quantized import QUANT_KEY
 from tests.fakes import one_line_error
 
 runner = CliRunner()
@@ -118,7 +118,7 @@ def test_bitsandbytes_on_cpu(tiny_pair, tmp_path, scheme):
 
 
 def test_library_not_installed(tiny_pair, tmp_path, monkeypatch):
-    import runtime.quantize.schemes as q
+    import runtime.models.quant_schemes as q
 
     real = q.library_installed
     monkeypatch.setattr(q, "library_installed", lambda name: False if name == "torchao" else real(name))

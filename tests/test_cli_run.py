@@ -201,7 +201,7 @@ def test_conflicting_flags_are_a_usage_error():
 def test_unsupported_architecture_names_it():
     import torch.nn as nn
 
-    from runtime.engine.target import TargetModel
+    from runtime.engine.models.target import TargetModel
     from runtime.errors import UnsupportedModelError
 
     class Odd(nn.Module):

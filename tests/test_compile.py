@@ -11,7 +11,7 @@ import torch
 
 from runtime.config import SamplingParams
 from runtime.engine import plain_decoder
-from runtime.engine.lean_target import LeanTarget
+from runtime.engine.models.lean_target import LeanTarget
 from tests.fakes import collect_ids, greedy_pair, greedy_reference, make_drafter, make_target
 
 

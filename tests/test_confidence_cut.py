@@ -15,9 +15,9 @@ from runtime.engine import tree_decoder
 from runtime.engine.calibrate import VerifyCosts
 from runtime.engine.confidence import ConfidenceCut
 from runtime.engine.events import BlockVerified
+from runtime.engine.models.target import TargetModel
 from runtime.engine.plan import AdaptivePlanner
 from runtime.engine.step import SlotCandidates
-from runtime.engine.target import TargetModel
 from runtime.engine.tree import tree_from_candidates, truncate_tree
 from tests.fakes import collect_ids, greedy_reference, make_drafter, make_target
 

@@ -1,4 +1,4 @@
-"""The drafter's corpus table (``dflash_config.copy_corpus``, ``runtime.engine.corpus``): where the
+"""The drafter's corpus table (``dflash_config.copy_corpus``, ``runtime.engine.models.corpus``): where the
 context has no 2-token match, the copy inputs show what the target most often wrote after the last
 tokens in the training answers. The table keeps the most frequent continuation seen at least twice;
 training leaves a sequence and its near-duplicates out; the decoders and the trainer build the same
@@ -18,11 +18,12 @@ from dflash_cli.app import app
 from runtime.config import SamplingParams
 from runtime.engine import chain_decoder, tree_decoder
 from runtime.engine import propose as propose_module
-from runtime.engine.corpus import CORPUS_FILE, CorpusCounts, CorpusTable, corpus_chain
-from runtime.engine.drafter import add_copy_corpus, add_copy_inputs, load_draft_model, save_draft_model
 from runtime.engine.events import BlockVerified
+from runtime.engine.models.corpus import CORPUS_FILE, CorpusCounts, CorpusTable, corpus_chain
+from runtime.engine.models.drafter_io import load_draft_model, save_draft_model
+from runtime.engine.models.drafter_surgery import add_copy_corpus, add_copy_inputs
+from runtime.engine.models.target import TargetModel
 from runtime.engine.ngram import NgramIndex, block_copies
-from runtime.engine.target import TargetModel
 from runtime.errors import ConfigError, ModelLoadError
 from runtime.train.trainer import CorpusSource, build_batch
 from tests.fakes import collect_ids, greedy_reference, make_drafter, make_target, pair_with_data

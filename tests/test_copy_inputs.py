@@ -17,10 +17,11 @@ from dflash_cli.app import app
 from runtime.config import SamplingParams
 from runtime.engine import chain_decoder, tree_decoder
 from runtime.engine import propose as propose_module
-from runtime.engine.drafter import add_copy_inputs, load_draft_model, save_draft_model
 from runtime.engine.events import BlockVerified
+from runtime.engine.models.drafter_io import load_draft_model, save_draft_model
+from runtime.engine.models.drafter_surgery import add_copy_inputs
+from runtime.engine.models.target import TargetModel
 from runtime.engine.ngram import NgramIndex, block_copies
-from runtime.engine.target import TargetModel
 from runtime.errors import ConfigError, ModelLoadError
 from runtime.train.trainer import build_batch
 from tests.fakes import collect_ids, greedy_reference, make_drafter, make_target

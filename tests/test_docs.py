@@ -149,7 +149,7 @@ def test_distribution_name_is_not_the_taken_dflash_and_keeps_the_command():
 def test_install_hints_and_version_lookups_name_this_distribution():
     from runtime.config import DISTRIBUTION
     from runtime.models.embedded import INSTALL_HINT
-    from runtime.quantize.schemes import SCHEMES
+    from runtime.models.quant_schemes import SCHEMES
 
     assert f"pip install '{DISTRIBUTION}[embedded]'" in INSTALL_HINT
     assert f"pip install '{DISTRIBUTION}[quantize]'" in SCHEMES["int8"].install

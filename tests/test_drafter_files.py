@@ -16,8 +16,9 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from dflash_cli.app import app
-from runtime.engine.corpus import CORPUS_FILE, CorpusTable
-from runtime.engine.drafter import add_copy_corpus, add_copy_inputs, load_draft_model, save_draft_model
+from runtime.engine.models.corpus import CORPUS_FILE, CorpusTable
+from runtime.engine.models.drafter_io import load_draft_model, save_draft_model
+from runtime.engine.models.drafter_surgery import add_copy_corpus, add_copy_inputs
 from runtime.errors import ModelLoadError
 from tests.fakes import one_line_error
 

@@ -9,7 +9,7 @@ import pytest
 
 from runtime.config import SamplingParams
 from runtime.engine import chain_decoder, plain_decoder
-from runtime.engine.target import TargetModel
+from runtime.engine.models.target import TargetModel
 from tests.fakes import OracleDecoder, collect_ids, greedy_reference, make_drafter, make_target
 
 

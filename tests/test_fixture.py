@@ -10,8 +10,8 @@ from typer.testing import CliRunner
 
 from runtime.config import SamplingParams
 from runtime.engine import chain_decoder, plain_decoder
-from runtime.engine.drafter import load_draft_model
-from runtime.engine.target import TargetModel
+from runtime.engine.models.drafter_io import load_draft_model
+from runtime.engine.models.target import TargetModel
 from runtime.pipeline import load_target_model
 from tests.fakes import collect_ids
 

@@ -13,7 +13,7 @@ import torch
 from runtime.config import SamplingParams
 from runtime.engine import chain_decoder, plain_decoder, transfer, tree_decoder
 from runtime.engine.events import BlockVerified
-from runtime.engine.lean_target import LeanTarget
+from runtime.engine.models.lean_target import LeanTarget
 from tests.fakes import make_drafter, make_target
 from tests.test_copy_inputs import add_copy_inputs
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.engine import kernels
+from runtime.engine.models import kernels
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,7 +33,7 @@ DECODE = """
 import json, sys
 from dflash_cli.common import configure_kernels
 configure_kernels()
-from runtime.engine.lean_target import LeanTarget
+from runtime.engine.models.lean_target import LeanTarget
 from tests.fakes import greedy_pair, make_drafter, make_target
 model = make_target("qwen2", vocab_size=96, seed=3)
 lean = LeanTarget(model, native_f32=True)
@@ -170,7 +170,7 @@ def test_a_library_missing_a_symbol_is_not_used(clean, tmp_path):
     line says so and the decode runs on PyTorch's layers with the same text."""
     home = tmp_path / "home"
     shutil.copytree(clean[0], home)
-    code = "from runtime.engine import kernels\nkernels.SYMBOLS = (*kernels.SYMBOLS, 'dflash_not_there')\n" + DECODE
+    code = "from runtime.engine.models import kernels\nkernels.SYMBOLS = (*kernels.SYMBOLS, 'dflash_not_there')\n" + DECODE
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(home), cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
@@ -188,7 +188,7 @@ def test_importing_dflash_loads_no_library(clean, tmp_path):
         "import pkgutil, importlib, runtime, dflash_cli.app\n"
         "for m in pkgutil.walk_packages(runtime.__path__, 'runtime.'):\n"
         "    importlib.import_module(m.name)\n"
-        "from runtime.engine import kernels\n"
+        "from runtime.engine.models import kernels\n"
         "assert 'lib' not in kernels._loaded\n"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(home), cwd=ROOT)

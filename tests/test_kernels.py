@@ -1,4 +1,4 @@
-"""The native GEMMs (runtime.engine.kernels): int8 weights x activations rounded per row to 15-bit
+"""The native GEMMs (runtime.engine.models.kernels): int8 weights x activations rounded per row to 15-bit
 integers, and bf16 or float32 weights x float32 activations; every input row computed exactly as it would be
 alone (the lossless contract of greedy DFlash), and a clean fallback where they cannot be built."""
 
@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from runtime.engine import kernels
+from runtime.engine.models import kernels
 
 gemm = kernels.int8_gemm()
 bf16 = kernels.bf16_gemm()
@@ -125,7 +125,7 @@ def test_disabled_native_kernel_falls_back_with_one_line(tmp_path):
     """DFLASH_NATIVE=0 (or no compiler / no AVX2): int8_gemm() is None, one line on stderr says why,
     and int8 linears still run (ATen's kernel)."""
     code = (
-        "import torch; from runtime.engine import kernels; from runtime.engine.linear import Int8Head, FusedLinear\n"
+        "import torch; from runtime.engine.models import kernels; from runtime.engine.models.linear import Int8Head, FusedLinear\n"
         "from dflash_cli.common import configure_kernels; configure_kernels()\n"
         "assert kernels.int8_gemm() is None and kernels.why_not().startswith('switched off'), kernels.why_not()\n"
         "lin = torch.nn.Linear(64, 16)\n"
@@ -143,7 +143,7 @@ def test_disabled_native_kernel_falls_back_with_one_line(tmp_path):
 
 def test_no_compiler_falls_back(tmp_path):
     code = (
-        "from pathlib import Path; from runtime.engine import kernels\n"
+        "from pathlib import Path; from runtime.engine.models import kernels\n"
         f"kernels.configure(cache=Path({str(tmp_path)!r}))\n"
         "fn = kernels.int8_gemm()\n"
         "print('none' if fn is None else 'built', kernels.why_not())\n"

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from runtime.config import RuntimeConfig
-from runtime.engine.lean_target import LeanTarget, StaticKVCache, lean_supported
-from runtime.engine.linear import FusedLinear, pack_linears
-from runtime.engine.target import TargetModel
+from runtime.engine.models.lean_target import LeanTarget, StaticKVCache, lean_supported
+from runtime.engine.models.linear import FusedLinear, pack_linears
+from runtime.engine.models.target import TargetModel
 from runtime.errors import ConfigError
 from runtime.pipeline import make_target as wrap_target
 from tests.fakes import greedy_pair, greedy_reference, lean_greedy_reference, make_drafter, make_target
@@ -151,8 +151,8 @@ def test_bf16_weights_with_float32_activations(arch, monkeypatch):
     it test the path too), a bf16 target computes in float32 over its bf16 weights: the float32
     forward of the bf16-rounded weights, and DFlash greedy (verify blocks, a bf16 drafter whose
     norms follow the activations) equals plain greedy of that target."""
-    from runtime.engine import kernels, linear
-    from runtime.engine.linear import activations_in, all_linears_packed
+    from runtime.engine.models import kernels, linear
+    from runtime.engine.models.linear import activations_in, all_linears_packed
 
     monkeypatch.setattr(linear, "cpu_has_fast_bf16", lambda: False)  # as on an AVX2 CPU
     if kernels.bf16_gemm() is None:
@@ -233,7 +233,7 @@ def test_lean_forward_on_quantized_target_equals_its_plain_greedy(scheme):
     int4: torchao's modules, unpacked); DFlash on them equals plain greedy decoding of the same
     quantized target, in float32."""
     pytest.importorskip("torchao")
-    from runtime.quantize.schemes import quantize_model_inplace
+    from runtime.models.quant_schemes import quantize_model_inplace
 
     model = make_target("qwen2", vocab_size=96, seed=3)
     quantize_model_inplace(model, scheme, "cpu")
@@ -254,7 +254,7 @@ def test_lean_int8_logits_stay_close_to_the_quantized_modules():
     """The int8 GEMM path (bf16 activations inside the GEMM, int8 head) computes the same function
     as torchao's int8 modules with a float head, up to bf16 rounding and the head's quantization."""
     pytest.importorskip("torchao")
-    from runtime.quantize.schemes import quantize_model_inplace
+    from runtime.models.quant_schemes import quantize_model_inplace
 
     model = make_target("qwen3", vocab_size=96, seed=5)
     quantize_model_inplace(model, "int8", "cpu")

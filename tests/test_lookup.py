@@ -13,8 +13,8 @@ from runtime.config import DecodeOptions, SamplingParams
 from runtime.engine import plain_decoder, tree_decoder
 from runtime.engine.events import BlockVerified, event_from_json, event_to_json
 from runtime.engine.lookup import LookupLength, merge_chain
+from runtime.engine.models.target import TargetModel
 from runtime.engine.ngram import NgramIndex
-from runtime.engine.target import TargetModel
 from runtime.engine.tree import DraftTree, ancestor_mask, chain_is_path, chain_tree
 from runtime.errors import ConfigError
 from tests.fakes import best_first_tree, collect_ids, greedy_reference, make_drafter, make_target

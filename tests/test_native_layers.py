@@ -1,4 +1,4 @@
-"""The decoder layers as one native call (``runtime/engine/kernels/layers.c``): the same function as
+"""The decoder layers as one native call (``runtime/engine/models/kernels/layers.c``): the same function as
 the lean forward's PyTorch layers over the same GEMM kernels (every architecture, bf16, int8 and
 float32 weights, tree masks, taps, a growing cache), every row of a verify block bit-identical to one-token
 steps, and greedy DFlash through it equal to plain greedy decoding of the same target."""
@@ -10,8 +10,8 @@ import random
 import pytest
 import torch
 
-from runtime.engine import kernels, linear
-from runtime.engine.lean_target import LeanTarget
+from runtime.engine.models import kernels, linear
+from runtime.engine.models.lean_target import LeanTarget
 from tests.fakes import greedy_pair, lean_greedy_reference, make_drafter, make_target
 
 ARCHS = ["qwen3", "qwen2", "llama"]
@@ -25,7 +25,7 @@ def _target(arch: str, weights: str, seed: int, monkeypatch: pytest.MonkeyPatch)
     model = make_target(arch, vocab_size=96, seed=seed)
     if weights == "int8":
         pytest.importorskip("torchao")
-        from runtime.quantize.schemes import quantize_model_inplace
+        from runtime.models.quant_schemes import quantize_model_inplace
 
         quantize_model_inplace(model, "int8", "cpu")
         return model
@@ -120,7 +120,7 @@ def test_dflash_through_native_layers_equals_plain_greedy(weights, monkeypatch):
     drafter = make_drafter(model.config, block_size=6, taps=[0, 2, 3])
     if weights == "bf16":
         drafter = drafter.to(torch.bfloat16)
-        from runtime.engine.linear import activations_in, pack_linears
+        from runtime.engine.models.linear import activations_in, pack_linears
 
         pack_linears(drafter)
         activations_in(drafter, lean.dtype)
@@ -134,7 +134,7 @@ def test_dflash_through_native_layers_equals_plain_greedy(weights, monkeypatch):
 def test_float32_targets_take_the_native_kernel_from_a_size_on(monkeypatch):
     """By default only float32 targets of NATIVE_F32_MIN_PARAMS parameters or more (steps bound by
     weight reads) run dflash's float32 GEMM and the native layers; DFLASH_NATIVE=0 keeps oneDNN."""
-    from runtime.engine import lean_target
+    from runtime.engine.models import lean_target
 
     model = make_target("qwen2", vocab_size=96, seed=2)
     assert not LeanTarget(model).native_layers
@@ -156,7 +156,7 @@ def test_native_layers_are_refused_where_they_cannot_run():
 def test_a_long_prefill_runs_pytorch_layers_then_steps_run_native(weights, monkeypatch):
     """Prompts longer than NATIVE_MAX_ROWS take PyTorch's layers (SDPA; with float32 weights the
     BLAS GEMM past F32_NATIVE_MAX_ROWS); the cache they write is the one the native steps read."""
-    from runtime.engine import lean_target
+    from runtime.engine.models import lean_target
 
     model = _target("qwen2", weights, 5, monkeypatch)
     f32 = weights == "f32"

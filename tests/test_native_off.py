@@ -12,7 +12,7 @@ import torch
 
 from dflash_cli.common import configure_kernels
 from runtime.config import DecodeOptions, SamplingParams
-from runtime.engine import kernels, lean_target
+from runtime.engine.models import kernels, lean_target
 from tests.fakes import collect_ids, greedy_reference
 
 native_here = kernels._cpu_ok() is None and kernels._compiler() is not None

@@ -12,12 +12,9 @@ from safetensors import safe_open
 from torch import nn
 
 from runtime import LoadOptions, ModelRef, RuntimeConfig, SamplingParams, load_pipeline
-from runtime.engine.target import TargetModel
+from runtime.engine.models.target import TargetModel
 from runtime.errors import ConfigError, ModelLoadError
-from runtime.quantize.io import QUANT_KEY, read_saved_quantization
-from runtime.quantize.job import QuantizeRequest, quantize_pair
-from runtime.quantize.report import agreement, measure_pair, prefix_share, report_prompts
-from runtime.quantize.schemes import (
+from runtime.models.quant_schemes import (
     SCHEMES,
     AlreadyQuantizedError,
     MissingLibraryError,
@@ -26,6 +23,9 @@ from runtime.quantize.schemes import (
     quantize_model_inplace,
     weight_bytes,
 )
+from runtime.models.quantized import QUANT_KEY, read_saved_quantization
+from runtime.quantize.job import QuantizeRequest, quantize_pair
+from runtime.quantize.report import agreement, measure_pair, prefix_share, report_prompts
 from tests.fakes import (
     OracleDecoder,
     collect_ids,
@@ -247,7 +247,7 @@ def test_int4_on_cuda_needs_bfloat16():
 
 def test_int4_config_per_device_and_layer_width():
     """The CUDA path cannot run here; at least its torchao config must build (no GPU in CI)."""
-    from runtime.quantize.schemes import _torchao_config, import_torchao
+    from runtime.models.quant_schemes import _torchao_config, import_torchao
 
     import_torchao()
     cpu = _torchao_config("int4", torch.device("cpu"), 896)
@@ -259,7 +259,7 @@ def test_int4_config_per_device_and_layer_width():
 
 
 def test_missing_library_names_the_install_command(monkeypatch):
-    import runtime.quantize.schemes as q
+    import runtime.models.quant_schemes as q
 
     monkeypatch.setattr(q, "library_installed", lambda name: False)
     with pytest.raises(MissingLibraryError, match="pip install bitsandbytes"):

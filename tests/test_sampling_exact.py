@@ -11,8 +11,8 @@ import torch
 
 from runtime.config import SamplingParams
 from runtime.engine import plain_decoder, tree_decoder
+from runtime.engine.models.target import TargetModel
 from runtime.engine.sampling import probabilities
-from runtime.engine.target import TargetModel
 from tests.fakes import OracleDecoder, collect_ids, make_drafter, make_target
 
 V, N_NEW, RUNS = 5, 3, 1500

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from dflash_cli.app import app
 from runtime import ModelRef, RuntimeConfig, SamplingParams, load_pipeline
-from runtime.engine.drafter import load_draft_model, save_draft_model
+from runtime.engine.models.drafter_io import load_draft_model, save_draft_model
 from runtime.train.api import DataSpec, DrafterSpec, fit, prepare_data
 from runtime.train.data import load_shard
 from runtime.train.state import load_trainer_state

@@ -12,7 +12,7 @@ import torch
 from runtime.config import SamplingParams
 from runtime.engine import chain_decoder, plain_decoder, tree_decoder
 from runtime.engine.events import BlockVerified, TokenEvent, TokenStatus, event_to_json
-from runtime.engine.target import TargetModel
+from runtime.engine.models.target import TargetModel
 from runtime.engine.tree import ancestor_mask, chain_tree, losing_branches, walk
 from tests.fakes import TreeOracleDecoder, best_first_tree, collect_ids, greedy_reference, make_drafter, make_target
 

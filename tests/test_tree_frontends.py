@@ -16,9 +16,9 @@ from runtime.engine import tree_decoder
 from runtime.engine.acceptance import AcceptanceCounter
 from runtime.engine.calibrate import VerifyCosts, measure_costs
 from runtime.engine.events import BlockVerified, Finished, PrefillDone, TokenEvent, TokenStatus
+from runtime.engine.models.target import TargetModel
 from runtime.engine.plan import AdaptivePlanner, FixedPlanner, best_plan, expected_tokens, prior_coverage
 from runtime.engine.step import StepOutcome
-from runtime.engine.target import TargetModel
 from runtime.engine.tree import chain_tree
 from runtime.errors import ConfigError
 from tests.fakes import collect_ids, greedy_reference, make_drafter, make_stats, make_target

@@ -8,8 +8,8 @@ import torch
 from runtime.config import DecodeOptions, RuntimeConfig, SamplingParams
 from runtime.engine.acceptance import accept_prefix
 from runtime.engine.detok import IncrementalDetokenizer, TextAssembler
-from runtime.engine.drafter import default_target_layer_ids
-from runtime.engine.kv_cache import DraftKVCache, crop_to
+from runtime.engine.models.drafter_config import default_target_layer_ids
+from runtime.engine.models.kv_cache import DraftKVCache, crop_to
 from runtime.engine.plan import AdaptivePlanner, best_plan, prior_coverage
 from runtime.engine.sampling import filter_logits, sample
 from runtime.engine.step import StepOutcome

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 
 class SchemeChoice(str, Enum):
-    """--scheme values (runtime.quantize.schemes.SCHEMES)."""
+    """--scheme values (runtime.models.quant_schemes.SCHEMES)."""
 
     int8 = "int8"
     int4 = "int4"

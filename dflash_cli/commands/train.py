@@ -360,7 +360,7 @@ def train(
         raise typer.BadParameter("the target has no tokenizer; dflash train needs one to build prompts")
     _record_command(out, sys.argv)  # only invocations that got as far as building data or training
     say = _printer()
-    from runtime.engine.drafter import default_target_layer_ids
+    from runtime.engine.models.drafter_config import default_target_layer_ids
 
     data_taps = tap_ids or tuple(default_target_layer_ids(pipe.target.num_layers, layers or 1))
     if resume and (out / "checkpoint" / "config.json").exists():
@@ -446,7 +446,7 @@ def _train_dtype(dtype: Any, device: str) -> Any:
     make bf16 the faster choice for decoding there)."""
     if getattr(dtype, "value", dtype) != "auto":
         return dtype
-    from runtime.engine.device import cpu_has_fast_bf16, resolve_device
+    from runtime.engine.models.device import cpu_has_fast_bf16, resolve_device
 
     return dtype if resolve_device(device).type != "cpu" or cpu_has_fast_bf16() else "float32"
 
@@ -456,7 +456,7 @@ def _train_bf16(precision: str, device: str) -> bool:
     emulated (a CPU without AVX512-BF16/AMX runs bf16 GEMMs several times slower than float32)."""
     if precision != "auto":
         return precision == "bf16"
-    from runtime.engine.device import cpu_has_fast_bf16, resolve_device
+    from runtime.engine.models.device import cpu_has_fast_bf16, resolve_device
 
     dev = resolve_device(device)
     if dev.type == "cuda":
@@ -799,7 +799,7 @@ def _in_distribution_prompts(data_dir: Path | None, n: int) -> tuple[str, list[A
 def _teacher_forced(pipe: Any, out: Path, sets: dict[str, Path | None]) -> dict[str, Any]:
     """Top-k coverage per slot, OOV share and teacher-forced tau of the checkpoint on datasets of
     target answers (the validation shard, the OOD answers)."""
-    from runtime.engine.drafter import load_draft_model
+    from runtime.engine.models.drafter_io import load_draft_model
     from runtime.errors import ConfigError
     from runtime.train.api import frozen_weights, open_datasets, open_eval_set
     from runtime.train.trainer import TrainConfig, Trainer
@@ -838,7 +838,7 @@ def _evaluate(
     teacher-forced top-k coverage and OOV share on the target's answers to both."""
     import torch
 
-    from runtime.engine.drafter import load_draft_model
+    from runtime.engine.models.drafter_io import load_draft_model
     from runtime.session import calibrate
     from runtime.train.evaluate import EvalResult, evaluate
     from runtime.train.heldout import ood_prompts
@@ -962,7 +962,7 @@ def _copy_lines(drafter: Any) -> list[str]:
         )
     grams = drafter.dflash.copy_corpus
     if grams is not None and drafter.copy_bias is not None:
-        from runtime.engine.corpus import CORPUS_FILE, LEVELS
+        from runtime.engine.models.corpus import CORPUS_FILE, LEVELS
 
         bias = drafter.copy_bias.detach().float().tolist()
         first = ngram[1] + 1

@@ -41,7 +41,7 @@ def environment(pipe: Any, assistant: Any | None = None, quantize: str | None = 
     import torch
     import transformers
 
-    from runtime.engine.device import device_description, dtype_name
+    from runtime.engine.models.device import device_description, dtype_name
 
     try:
         from importlib.metadata import version

@@ -575,7 +575,7 @@ def run_fim_bench(
     dtype = None
     if pipe is not None:
         from runtime.bench.env import environment
-        from runtime.engine.device import dtype_name
+        from runtime.engine.models.device import dtype_name
 
         env = environment(pipe, quantize=quantize)
         dtype = dtype_name(pipe.dtype)

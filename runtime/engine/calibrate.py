@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from runtime.engine.costs import running_max
 from runtime.engine.draft_head import DraftHead
-from runtime.engine.kv_cache import DraftKVCache
+from runtime.engine.models.kv_cache import DraftKVCache
 from runtime.engine.tree import ancestor_mask
 
 
@@ -265,7 +265,7 @@ def cache_key(pipeline: Any) -> str:
     quant = d.get("quantization") or "none"
     engine = "lean" if type(pipeline.target).__name__ == "LeanTarget" else "hf"
     if engine == "lean" and d["device"].startswith("cpu"):
-        from runtime.engine import kernels
+        from runtime.engine.models import kernels
 
         engine += "+" + kernels.identity()
     if getattr(pipeline.target, "_compiled", None) is not None:

@@ -33,11 +33,11 @@ from runtime.engine.drafts import DeviceChain, HostTree
 from runtime.engine.events import DecodeEvent, Finished, FinishReason, PrefillDone, TokenStatus
 from runtime.engine.guards import ensure_finite_logits
 from runtime.engine.lookup import ContextLookup
+from runtime.engine.models.target import TargetModel
 from runtime.engine.ngram import NgramIndex
 from runtime.engine.prompt_cache import CachedState, PromptCache, Reuse
 from runtime.engine.sampling import sample
 from runtime.engine.step import Planner, Proposer, RequestContext, StepOutcome
-from runtime.engine.target import TargetModel
 from runtime.engine.transfer import upload
 from runtime.engine.tree import DraftTree, chain_tree, choice_ranks, tree_from_candidates, truncate_tree
 from runtime.errors import ConfigError, InputError, OutOfMemoryError

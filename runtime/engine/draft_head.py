@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from runtime.engine.drafter import DFlashDraftModel, draft_columns_to_ids
-from runtime.engine.linear import FusedLinear, Int8Head
-from runtime.engine.target import TargetModel
+from runtime.engine.models.drafter import DFlashDraftModel, draft_columns_to_ids
+from runtime.engine.models.linear import FusedLinear, Int8Head
+from runtime.engine.models.target import TargetModel
 
 
 class DraftHead:
@@ -25,7 +25,7 @@ class DraftHead:
         self.weight, self.bias, self.ids = weight, bias, ids
         self.full_weight, self.full_bias = target.lm_head.weight, getattr(target.lm_head, "bias", None)
         self._columns: torch.Tensor | None = None  # full id -> column of the reduced head (-1: outside)
-        # a reduced head is a copy: pack it once for oneDNN where that runs (runtime.engine.linear)
+        # a reduced head is a copy: pack it once for oneDNN where that runs (runtime.engine.models.linear)
         # (the full head is packed too where the target computes in another dtype than its weights)
         pack = (ids is not None or weight.dtype != target.dtype) and type(weight.data) is torch.Tensor
         pack = pack and FusedLinear.can_pack(weight.device, weight.dtype)

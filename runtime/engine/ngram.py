@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from runtime.engine.corpus import Query, corpus_chain
+from runtime.engine.models.corpus import Query, corpus_chain
 
 CONTEXT_FIRST = 2  # a context match this long is shown before the corpus's proposal
 
@@ -89,7 +89,7 @@ def block_copies(
     the k-th token of what followed the latest earlier occurrence of its longest matching suffix.
     With a ``corpus`` (a drafter with ``dflash_config.copy_corpus``), where that match is shorter
     than ``CONTEXT_FIRST`` tokens the slots are shown the corpus chain instead
-    (``runtime.engine.corpus.corpus_chain``) when it has a first token.
+    (``runtime.engine.models.corpus.corpus_chain``) when it has a first token.
 
     Returns:
         ([b] token ids, ``fill`` where there is none; [b] copy row per position: the matched

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from runtime.engine.kv_cache import DraftKVCache
+from runtime.engine.models.kv_cache import DraftKVCache
 
 DEFAULT_SLOTS = 4
 

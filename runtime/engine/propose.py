@@ -14,11 +14,11 @@ from typing import cast
 import torch
 
 from runtime.engine.draft_head import DraftHead
-from runtime.engine.drafter import DFlashDraftModel, DraftLayer
-from runtime.engine.kv_cache import DraftKVCache
+from runtime.engine.models.drafter import DFlashDraftModel, DraftLayer
+from runtime.engine.models.kv_cache import DraftKVCache
+from runtime.engine.models.target import TargetModel
 from runtime.engine.ngram import block_copies
 from runtime.engine.step import RequestContext, SlotCandidates
-from runtime.engine.target import TargetModel
 from runtime.engine.transfer import upload
 from runtime.engine.tree import slot_candidates
 

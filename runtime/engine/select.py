@@ -16,12 +16,12 @@ from runtime.engine.confidence import HitRates
 from runtime.engine.costs import DEFAULT_DRAFT_COST, prior_cost
 from runtime.engine.decode import SpeculativeDecoder
 from runtime.engine.detok import TokenizerLike
-from runtime.engine.drafter import DFlashDraftModel
+from runtime.engine.models.drafter import DFlashDraftModel
+from runtime.engine.models.target import TargetModel
 from runtime.engine.plan import AdaptivePlanner, FixedPlanner
 from runtime.engine.prompt_cache import PromptCache
 from runtime.engine.propose import DrafterProposer
 from runtime.engine.step import Planner, Proposer
-from runtime.engine.target import TargetModel
 from runtime.errors import ConfigError
 
 TREE_ATTENTION = ("sdpa", "eager")  # attention implementations that take a custom 4D mask

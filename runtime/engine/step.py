@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 import torch
 
-from runtime.engine.kv_cache import DraftKVCache
+from runtime.engine.models.kv_cache import DraftKVCache
 from runtime.engine.ngram import NgramIndex
 from runtime.engine.tree import DraftTree
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.engine.drafter import draft_columns_to_ids
+from runtime.engine.models.drafter import draft_columns_to_ids
 from runtime.engine.transfer import download
 
 

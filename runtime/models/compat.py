@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from runtime.engine.drafter import DraftModelConfig
+from runtime.engine.models.drafter_config import DraftModelConfig
 from runtime.errors import IncompatibleDraftError
 
 FIX = "use the drafter trained for this target (`dflash models --presets`) or train one with `dflash train`"

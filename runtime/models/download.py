@@ -98,9 +98,9 @@ def plan_download(name: str | None, drafter: str | None = None) -> PairRequest:
 
 
 def _pair_summary(target_cfg: object, drafter_dir: Path) -> str:
-    from runtime.pipeline import read_drafter_config
+    from runtime.engine.models.drafter_config import read_draft_config
 
-    d = read_drafter_config(drafter_dir)
+    d = read_draft_config(drafter_dir)
     hidden, vocab, layers = target_dims(target_cfg)
     return (
         f"vocab {vocab}, hidden size {hidden}, drafter taps layers {list(d.dflash.target_layer_ids)} "
@@ -118,8 +118,9 @@ def _check_pair(req: PairRequest, target_dir: Path, drafter_dir: Path | None) ->
     """
     import json
 
+    from runtime.engine.models.drafter_config import read_draft_config
+    from runtime.models.configs import read_target_config
     from runtime.models.store import DRAFTER, classify
-    from runtime.pipeline import read_drafter_config, read_target_config
 
     try:
         raw = json.loads((target_dir / "config.json").read_text())
@@ -133,7 +134,7 @@ def _check_pair(req: PairRequest, target_dir: Path, drafter_dir: Path | None) ->
     if drafter_dir is None:
         hidden, vocab, layers = target_dims(target_cfg)
         return f"target only: vocab {vocab}, hidden size {hidden}, {layers} layers"
-    ensure_compatible(target_cfg, read_drafter_config(drafter_dir), req.target, str(req.drafter))
+    ensure_compatible(target_cfg, read_draft_config(drafter_dir), req.target, str(req.drafter))
     return _pair_summary(target_cfg, drafter_dir)
 
 

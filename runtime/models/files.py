@@ -129,7 +129,7 @@ def inspect_folder(folder: Path, expected: tuple[str, ...] = ()) -> FolderReport
     index = folder / "model.safetensors.index.json"
     shards: list[str] = []
     if index.exists():
-        from runtime.engine.drafter_schema import read_weight_index
+        from runtime.engine.models.drafter_schema import read_weight_index
         from runtime.errors import ModelLoadError
 
         try:

@@ -48,7 +48,7 @@ def check_model_folder(folder: Path, what: str) -> None:
         raise ModelLoadError(f"{what} folder {folder} has no config.json; re-download it (dflash download)")
     index = folder / "model.safetensors.index.json"
     if index.exists():
-        from runtime.engine.drafter_schema import read_weight_index
+        from runtime.engine.models.drafter_schema import read_weight_index
 
         shards = read_weight_index(index)  # a truncated or malformed index: exit 4 naming it and the field
         missing = sorted(s for s in shards if not (folder / s).exists())

@@ -25,18 +25,11 @@ from typing import Any
 import torch
 
 from runtime.config import RuntimeConfig
-from runtime.engine.device import dtype_name, resolve_device, resolve_dtype
+from runtime.engine.models.device import dtype_name, resolve_device, resolve_dtype
 from runtime.errors import ConfigError
 from runtime.models import embedded
-from runtime.pipeline import LoadOptions, ModelRef, load_pipeline, read_target_config, resolve_pair
-from runtime.quantize.io import (
-    ensure_float_model,
-    save_drafter_for_scheme,
-    save_float_for_scheme,
-    save_quantized_target,
-)
-from runtime.quantize.report import QuantReport, compare, measure_pair, report_prompts
-from runtime.quantize.schemes import (
+from runtime.models.configs import read_target_config
+from runtime.models.quant_schemes import (
     LayerProgress,
     check_supported,
     folder_weight_bytes,
@@ -46,6 +39,14 @@ from runtime.quantize.schemes import (
     quiet_preimport,
     weight_bytes,
 )
+from runtime.models.quantized import (
+    ensure_float_model,
+    save_drafter_for_scheme,
+    save_float_for_scheme,
+    save_quantized_target,
+)
+from runtime.pipeline import LoadOptions, ModelRef, load_pipeline, resolve_pair
+from runtime.quantize.report import QuantReport, compare, measure_pair, report_prompts
 
 Status = Callable[[str], None]
 DRAFTER_SUBDIR = "drafter"
@@ -56,7 +57,7 @@ class QuantizeRequest:
     """What to quantize, how, and where to save it.
 
     Attributes:
-        scheme: a name from ``runtime.quantize.schemes.SCHEMES``.
+        scheme: a name from ``runtime.models.quant_schemes.SCHEMES``.
         out: output folder (the quantized target; a quantized drafter goes to ``out/drafter``).
         ref: the pair (as for ``load_pipeline``).
         runtime: device, dtype, threads.

@@ -25,8 +25,9 @@ from typing import Any
 
 import torch
 
-from runtime.engine.drafter import add_copy_corpus, add_copy_inputs, load_draft_model, save_draft_model
-from runtime.engine.target import TargetModel
+from runtime.engine.models.drafter_io import load_draft_model, save_draft_model
+from runtime.engine.models.drafter_surgery import add_copy_corpus, add_copy_inputs
+from runtime.engine.models.target import TargetModel
 from runtime.errors import ConfigError
 from runtime.train import vocab as vocab_mod
 from runtime.train.data import dataset_summary, generate_dataset
@@ -68,11 +69,11 @@ class DrafterSpec:
         grow_to: with ``from_drafter``, append identity-initialised layers up to this many
             (``warm_start``; None keeps the source's layer count).
         copy_ngram: give the drafter copy inputs for these (shortest, longest) context n-gram
-            matches (``runtime.engine.drafter.add_copy_inputs``; they start at zero, so a warm-started
+            matches (``runtime.engine.models.drafter_surgery.add_copy_inputs``; they start at zero, so a warm-started
             drafter drafts as before until trained); None: none added (a source drafter keeps its own).
         copy_corpus: give the drafter (which must have copy inputs) a corpus table of these
             (shortest, longest) n-grams, counted over the run's training answers
-            (``runtime.engine.corpus``); None: none added (a source drafter's is recounted).
+            (``runtime.engine.models.corpus``); None: none added (a source drafter's is recounted).
     """
 
     num_layers: int = 1

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from runtime.engine.target import TargetModel
+from runtime.engine.models.target import TargetModel
 
 Progress = Callable[[dict[str, Any]], None]
 

@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-from runtime.engine.drafter import DFlashDraftModel, DraftModelConfig, default_target_layer_ids
+from runtime.engine.models.drafter import DFlashDraftModel
+from runtime.engine.models.drafter_config import DraftModelConfig, default_target_layer_ids
 from runtime.models.compat import target_dims
 
 
@@ -110,7 +111,7 @@ def init_drafter(
 
 def target_has_attention_bias(target_model: Any) -> bool:
     """Whether the target's attention q/k/v projections carry biases (Qwen2 does, Qwen3 does not)."""
-    from runtime.engine.target import find_decoder_layers
+    from runtime.engine.models.target import find_decoder_layers
 
     attn = getattr(find_decoder_layers(target_model)[-1], "self_attn", None)
     q = getattr(attn, "q_proj", None)
@@ -151,7 +152,7 @@ def init_from_target(
     Returns:
         {"source_layers": [...], "copied": [...], "pruned": [...], "skipped": [...], "notes": [...]}.
     """
-    from runtime.engine.target import find_decoder_layers
+    from runtime.engine.models.target import find_decoder_layers
 
     src_layers = find_decoder_layers(target_model)
     n_d = len(drafter.layers)

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from runtime.engine.target import TargetModel
+from runtime.engine.models.target import TargetModel
 from runtime.train.data import Progress, encode_prompt, write_shard
 from runtime.train.prompts import TrainPrompt
 

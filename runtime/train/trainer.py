@@ -28,8 +28,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from runtime.engine.corpus import CorpusCounts, CorpusTable, Query
-from runtime.engine.drafter import DFlashDraftModel, draft_columns_to_ids, load_draft_model, save_draft_model
+from runtime.engine.models.corpus import CorpusCounts, CorpusTable, Query
+from runtime.engine.models.drafter import DFlashDraftModel, draft_columns_to_ids
+from runtime.engine.models.drafter_io import load_draft_model, save_draft_model
 from runtime.engine.ngram import NgramIndex, block_copies
 from runtime.errors import ConfigError
 from runtime.train.data import Shard, load_shard
@@ -212,7 +213,7 @@ class ShardDataset:
 
 @dataclass
 class CorpusSource:
-    """Where ``build_batch`` gets each sequence's corpus query (``runtime.engine.corpus``).
+    """Where ``build_batch`` gets each sequence's corpus query (``runtime.engine.models.corpus``).
 
     Attributes:
         ngram: the table's (shortest, longest) n-gram size.

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from runtime.engine.kv_cache import cache_len, crop_to, keep_kv
+from runtime.engine.models.kv_cache import cache_len, crop_to, keep_kv
 from runtime.errors import UnsupportedModelError
 
 _LAYER_PATHS = (

@@ -5,7 +5,7 @@ decode step's cost on a CPU:
 
 - weights of each projection are packed once per loaded model for oneDNN (``mkldnn`` blocked
   layout, q/k/v fused and gate/up fused) so a step runs one prepacked GEMM per fused projection
-  instead of re-laying out bf16 weights on every call (``runtime.engine.linear``); int8 weights
+  instead of re-laying out bf16 weights on every call (``runtime.engine.models.linear``); int8 weights
   (``--quantize int8``) are fused the same way and read directly by ATen's int8 GEMM, and the
   output head then runs in int8 as well;
 - a static KV cache (``StaticKVCache``): fixed capacity, new entries written in place, cropping
@@ -20,7 +20,7 @@ decode step's cost on a CPU:
   block computes exactly what one-token steps compute (as in float32);
 - where every projection runs on dflash's native kernels with float32 activations (int8 weights,
   or bf16 weights on such CPUs), the decoder layers run as one native call per step
-  (``runtime/engine/kernels/layers.c``: norms, rotary embedding, attention, SiLU and residuals as
+  (``runtime/engine/models/kernels/layers.c``: norms, rotary embedding, attention, SiLU and residuals as
   plain loops between the GEMMs) instead of ~20 eager PyTorch ops per layer; the embedding, the
   final norm and the head stay here. Prompts longer than ``NATIVE_MAX_ROWS`` run the PyTorch layers.
 
@@ -40,8 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.engine.linear import FusedLinear, Int8Head
-from runtime.engine.target import TargetModel
+from runtime.engine.models.linear import FusedLinear, Int8Head
+from runtime.engine.models.target import TargetModel
 
 _FAMILIES = ("llama", "qwen2", "qwen3")
 
@@ -275,7 +275,7 @@ class LeanTarget(TargetModel):
                     return "a projection does not run on dflash's int8, bf16 or float32 kernel"
         if self.head_dim > 512 or self.n_heads % self.n_kv:
             return "head shape"
-        from runtime.engine.kernels import layers_fn
+        from runtime.engine.models.kernels import layers_fn
 
         if layers_fn() is None:
             return "the native kernels do not run here"
@@ -283,7 +283,7 @@ class LeanTarget(TargetModel):
 
     def _native_stack(self) -> tuple[Any, Any, Any]:
         """The ctypes description of every layer (pointers into tensors this object keeps)."""
-        from runtime.engine import kernels
+        from runtime.engine.models import kernels
 
         def ptr(t: torch.Tensor | None) -> int | None:
             if t is None:
@@ -505,7 +505,7 @@ class LeanTarget(TargetModel):
         between them. Shapes are dynamic (rows per step, cache length), so a process compiles once
         per kind of step (one token, a verify block) and reuses it for every request. Where
         compilation fails the forward runs eagerly from then on, with one line on stderr."""
-        import runtime.engine.kernels.ops  # noqa: F401 - registers the custom operators
+        import runtime.engine.models.kernels.ops  # noqa: F401 - registers the custom operators
 
         self._compiled = torch.compile(self._body, dynamic=True, mode=mode)
 

@@ -6,7 +6,7 @@
  * small ops per layer, each paying dispatch and allocation; measured on a 2-core AVX2 EPYC, an int8
  * step spent ~26 ms of 68 outside the GEMMs. Here the same math is plain loops over float32 rows.
  *
- * The math mirrors the lean forward (runtime/engine/lean_target.py) and transformers: RMSNorm in
+ * The math mirrors the lean forward (runtime/engine/models/lean_target.py) and transformers: RMSNorm in
  * float32 (x * 1/sqrt(mean(x^2) + eps), then the weight), q/k norms per head where the model has them
  * (Qwen3), rotary embedding q * cos + rotate_half(q) * sin from the model's own tables, grouped-query
  * attention (head h reads kv head h / (H / KV)) with scores scaled after the dot product and a float32

@@ -13,7 +13,7 @@ Every ``nn.Linear`` is quantized except the output head (``lm_head``): the draft
 target's head (and embedding, which is not a Linear) to score its drafts, and keeping both in
 float is what transformers' torchao integration does too.
 
-Saved folders (what they store and why) are ``runtime.quantize.io``'s business.
+Saved folders (what they store and why) are ``runtime.models.quantized``'s business.
 """
 
 from __future__ import annotations

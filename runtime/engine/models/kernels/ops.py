@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.engine import kernels
+from runtime.engine.models import kernels
 
 
 @torch.library.custom_op("dflash::int8_gemm", mutates_args=())
@@ -40,7 +40,7 @@ def _(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tens
 def f32_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """A float32 projection as ``FusedLinear`` computes it (``linear.f32_project``: dflash's native
     GEMM for a step's rows, the BLAS for a longer prefill). y [M, N] float32."""
-    from runtime.engine.linear import f32_project
+    from runtime.engine.models.linear import f32_project
 
     fn = kernels.f32_gemm()
     assert fn is not None

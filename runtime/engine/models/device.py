@@ -48,7 +48,7 @@ def cpu_bf16_decodes_fast() -> bool:
     float32's arithmetic). Training keeps ``cpu_has_fast_bf16`` (its batched GEMMs need native bf16)."""
     if cpu_has_fast_bf16():
         return True
-    from runtime.engine import kernels
+    from runtime.engine.models import kernels
 
     return kernels.bf16_gemm() is not None
 

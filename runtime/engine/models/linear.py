@@ -8,13 +8,13 @@ op torch.compile's CPU backend emits for frozen weights) and calls the packed GE
 (``mkldnn._linear_pointwise``): same kernel family, same results, several times less time per
 call. On CPUs where oneDNN has no native bf16 (AVX2, AVX-512 without BF16: it emulates bf16 GEMMs
 several times slower than float32), bf16 weights go to dflash's native bf16 GEMM instead
-(``runtime.engine.kernels``: the bf16 weights widened to float32 in registers, float32 accumulation,
+(``runtime.engine.models.kernels``: the bf16 weights widened to float32 in registers, float32 accumulation,
 half float32's bytes read per step). Where neither runs (CUDA, float16) the modules are called as
 they are.
 
 int8 weight-only weights (torchao ``Int8Tensor``: int8 values + one scale per output row, what
 ``--quantize int8`` makes) are fused the same way on a CPU and computed by dflash's native int8 GEMM
-(``runtime.engine.kernels``: activations rounded per row to 15-bit integers, exact integer dot
+(``runtime.engine.models.kernels``: activations rounded per row to 15-bit integers, exact integer dot
 products, the int8 weights read directly, a quarter of float32's bytes) or, where it cannot be
 built, ATen's ``_weight_int8pack_mm`` (bf16 activations and scales, output rounded to bf16). The
 module call (torchao's own linear) de-quantizes the whole weight to the activation dtype on every
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from runtime.engine.device import cpu_has_fast_bf16
+from runtime.engine.models.device import cpu_has_fast_bf16
 
 
 def _plain(t: torch.Tensor | None) -> bool:
@@ -55,7 +55,7 @@ def _native_bf16() -> Any:
     """dflash's bf16 GEMM where oneDNN has no native bf16 on this CPU (else None)."""
     if cpu_has_fast_bf16():
         return None
-    from runtime.engine.kernels import bf16_gemm
+    from runtime.engine.models.kernels import bf16_gemm
 
     return bf16_gemm()
 
@@ -63,7 +63,7 @@ def _native_bf16() -> Any:
 def _native_f32() -> Any:
     """dflash's float32 GEMM for decode and verify steps on a CPU (else None: not built here, or
     switched off with ``DFLASH_NATIVE=0``)."""
-    from runtime.engine.kernels import f32_gemm
+    from runtime.engine.models.kernels import f32_gemm
 
     return f32_gemm()
 
@@ -146,9 +146,9 @@ class FusedLinear:
             and all(_plain(b) for b in biases)
             and int8_kernel_available(weights[0].device)
         )
-        self.native: Any = None  # int8 mode: the compiled kernel (runtime.engine.kernels), else ATen's
+        self.native: Any = None  # int8 mode: the compiled kernel (runtime.engine.models.kernels), else ATen's
         if self.int8:
-            from runtime.engine.kernels import int8_gemm
+            from runtime.engine.models.kernels import int8_gemm
 
             self.native = int8_gemm()
             scale_dtype = torch.float32 if self.native is not None else torch.bfloat16
@@ -226,7 +226,7 @@ class FusedLinear:
 
     def _traced(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``__call__`` under ``torch.compile``: the same kernels as custom operators
-        (``runtime.engine.kernels.ops``), which the compiler keeps as opaque calls."""
+        (``runtime.engine.models.kernels.ops``), which the compiler keeps as opaque calls."""
         ops = torch.ops.dflash
         if self.native is not None:
             y = ops.int8_gemm(x.float().contiguous(), self.weight, self.scale, self.bias).to(x.dtype)

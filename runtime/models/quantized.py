@@ -2,7 +2,7 @@
 
 config.json records the scheme under ``dflash_quantization`` (scheme, library and version, bits,
 float dtype, whether the weights on disk are quantized, the source model). How the weights are
-stored depends on what is portable (see ``runtime.quantize.schemes``):
+stored depends on what is portable (see ``runtime.models.quant_schemes``):
 
 * int8: quantized, in torchao's safetensors format, written and read by transformers
   (``save_pretrained`` with its torchao quantizer attached / ``from_pretrained``). Any
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from runtime.errors import ConfigError, ModelLoadError
-from runtime.quantize.schemes import (
+from runtime.models.quant_schemes import (
     SCHEMES,
     AlreadyQuantizedError,
     Scheme,
@@ -253,7 +253,7 @@ def save_drafter_for_scheme(drafter: Any, out: Path, scheme: str, source: str) -
 
     Drafters are small (tens of MB), so they are kept in float on disk whatever the scheme.
     """
-    from runtime.engine.drafter import save_draft_model
+    from runtime.engine.models.drafter_io import save_draft_model
 
     spec = get_scheme(scheme)
     dtype = next(p.dtype for p in drafter.parameters() if p.is_floating_point())
