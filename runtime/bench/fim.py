@@ -506,7 +506,7 @@ def run_fim_bench(
         InputError: the target's tokenizer has no FIM tokens.
         RemoteError: a server cannot be reached or fails.
     """
-    from runtime import fim
+    import runtime.fim as fim
 
     if not cases:
         raise ConfigError("no FIM cases to run")
