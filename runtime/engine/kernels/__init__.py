@@ -110,7 +110,15 @@ def _compiler_id(cc: str | None) -> str | None:
 
 
 # Every symbol dflash calls in the library: one that lacks any of them is not used.
-SYMBOLS = ("dflash_int8_isa", "dflash_int8_gemm", "dflash_bf16_gemm", "dflash_f32_gemm", "dflash_layers")
+SYMBOLS = (
+    "dflash_int8_isa",
+    "dflash_int8_gemm",
+    "dflash_bf16_gemm",
+    "dflash_bf16dp_supported",
+    "dflash_bf16dp_gemm",
+    "dflash_f32_gemm",
+    "dflash_layers",
+)
 ELF = b"\x7fELF"
 
 
@@ -325,6 +333,29 @@ def bf16_gemm() -> Bf16Gemm | None:
     return fn
 
 
+def bf16dp_supported() -> bool:
+    """Whether this CPU (cpuid: AVX-512 F/BW/BF16) and this build run ``bf16dp_gemm``'s own path."""
+    lib = _library()
+    if lib is None:
+        return False
+    fn = lib.dflash_bf16dp_supported
+    fn.restype, fn.argtypes = ctypes.c_int, []
+    return bool(fn())
+
+
+def bf16dp_gemm() -> Bf16Gemm | None:
+    """The AVX-512-BF16 bf16-weight GEMM (``vdpbf16ps``; activations rounded per row to bf16 inside),
+    ``f(x [M, K] f32, w [N, K] bf16, bias [N] f32 | None) -> y [M, N] f32``, or None where this CPU or
+    build has no AVX-512-BF16 or the library cannot run here (no line on stderr: callers offer the
+    other bf16 paths instead)."""
+    if "bf16dp" not in _loaded:
+        lib = _library()
+        wrap = _wrap_float(torch.bfloat16, returns_rc=True)
+        _loaded["bf16dp"] = wrap(lib.dflash_bf16dp_gemm) if lib is not None and bf16dp_supported() else None
+    fn: Bf16Gemm | None = _loaded["bf16dp"]
+    return fn
+
+
 def f32_gemm() -> Bf16Gemm | None:
     """The compiled float32-weight GEMM, ``f(x [M, K] f32, w [N, K] f32, bias [N] f32 | None) -> y [M, N]
     f32``, or None where it cannot run here (see ``why_not``)."""
@@ -341,7 +372,7 @@ class Proj(ctypes.Structure):
         ("bias", ctypes.c_void_p),
         ("n", ctypes.c_int64),
         ("k", ctypes.c_int64),
-        ("kind", ctypes.c_int64),  # weights: 0 = bf16, 1 = int8, 2 = float32
+        ("kind", ctypes.c_int64),  # weights: 0 = bf16, 1 = int8, 2 = float32, 3 = bf16 on the AVX-512-BF16 path
     ]
 
 
@@ -527,12 +558,13 @@ def _wrap_int8(c_fn: ctypes._NamedFuncPointer) -> Int8Gemm:
     return gemm
 
 
-def _wrap_float(weights: torch.dtype) -> Callable[[ctypes._NamedFuncPointer], Bf16Gemm]:
-    """The wrapper of a GEMM over ``weights`` (bfloat16 or float32) weights."""
+def _wrap_float(weights: torch.dtype, returns_rc: bool = False) -> Callable[[ctypes._NamedFuncPointer], Bf16Gemm]:
+    """The wrapper of a GEMM over ``weights`` (bfloat16 or float32) weights (``returns_rc``: the C
+    function returns 0, or -1 without memory for its activation buffer)."""
     name = f"{str(weights).removeprefix('torch.')} GEMM"
 
     def wrap(c_fn: ctypes._NamedFuncPointer) -> Bf16Gemm:
-        c_fn.restype = None
+        c_fn.restype = ctypes.c_int if returns_rc else None
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         c_fn.argtypes = [p, i64, i64, p, p, i64, p, ctypes.c_int]
 
@@ -544,7 +576,7 @@ def _wrap_float(weights: torch.dtype) -> Callable[[ctypes._NamedFuncPointer], Bf
             if bias is not None:
                 _need(name, "bias", bias, torch.float32, (n,))
             y = torch.empty((m, n), dtype=torch.float32)
-            c_fn(
+            rc = c_fn(
                 x.data_ptr(),
                 m,
                 k,
@@ -554,6 +586,8 @@ def _wrap_float(weights: torch.dtype) -> Callable[[ctypes._NamedFuncPointer], Bf
                 y.data_ptr(),
                 torch.get_num_threads(),
             )
+            if returns_rc and rc != 0:
+                raise MemoryError(f"{name}: no memory for a {m}x{k} activation buffer")
             return y
 
         return gemm
