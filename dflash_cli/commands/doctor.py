@@ -43,8 +43,8 @@ def doctor(
         bool,
         typer.Option(
             "--speed",
-            help="Load the pair and measure which precision (bf16, int8, int4) and decoder is fastest here "
-            "(about a minute; remembered for later `dflash doctor` runs).",
+            help="Load the pair and measure which precision (bf16, int8, int4) and decoder is fastest here, "
+            "and which bf16 GEMM (about a minute; remembered for later `dflash doctor` runs).",
         ),
     ] = False,
 ) -> None:
@@ -69,7 +69,9 @@ def doctor(
 
         say = lambda m: print(m, file=sys.stderr)  # noqa: E731
         save_result(measure_speed(load_with, progress=say, calibrate=measure_costs), speed_file)
-    checks = run_doctor(opts.ref, opts.runtime, opts.load, speed_file=speed_file)
+    from runtime.engine.kernels.choice import choice_file
+
+    checks = run_doctor(opts.ref, opts.runtime, opts.load, speed_file=speed_file, kernel_file=choice_file())
     code = exit_code(checks)
     if json_out:
         print(json.dumps({"ok": code == 0, "exit_code": code, "checks": [c.to_json() for c in checks]}, indent=2))

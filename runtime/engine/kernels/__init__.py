@@ -162,6 +162,12 @@ def _source_key() -> str:
     return _source_hash()[:16]
 
 
+def source_key() -> str:
+    """Which native kernels this process would run ("<hash of source and flags>", or "off" where they
+    are switched off), without building or loading them."""
+    return _source_key() if _settings["enabled"] else "off"
+
+
 def _check(data: bytes, lib_path: Path) -> str | None:
     """Why the bytes read from ``lib_path`` are not the library this source, compiler and flags
     built (None: they are): checked before the library is loaded, so that a truncated, overwritten
