@@ -224,7 +224,7 @@ class LeanTarget(TargetModel):
             raise ValueError(f"the lean forward cannot run this model: {why}")
         cfg = self.config
         weights = self.embed.weight.dtype
-        if pack is not False:
+        if pack is not False and float_activations is not False:
             choose_bf16(model)  # bf16 weights on a CPU: the GEMM path chosen by measurement (linear.py)
         if pack is None:
             pack = FusedLinear.can_pack(self.device, weights)
