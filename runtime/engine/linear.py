@@ -249,7 +249,10 @@ def choose_bf16(model: nn.Module, cache_file: Path | None = None, remeasure: boo
     finally:
         _process.pop("choosing", None)
     if choice.chosen is not None:
+        from runtime.engine import kernels
+
         _process["bf16"] = choice.chosen
+        kernels.note_bf16_path(choice.chosen)  # verify costs are calibrated per path (kernels.identity)
     return choice
 
 

@@ -273,9 +273,18 @@ def _load(lib_path: Path) -> tuple[ctypes.CDLL | None, str | None]:
 
 
 def identity() -> str:
-    """Which native kernels a process runs ("native-<hash of source and flags>-<int8 path>", or
-    "off"): part of the key of cached speed measurements, which a kernel change invalidates."""
-    return f"native-{_source_key()}-{int8_isa()}" if _library() is not None else "off"
+    """Which native kernels a process runs ("native-<hash of source and flags>-<int8 path>", then
+    "-bf16:<path>" where a bf16 path was chosen by measurement (``note_bf16_path``), or "off"): part
+    of the key of cached speed measurements, which a kernel change invalidates."""
+    if _library() is None:
+        return "off"
+    chosen = _loaded.get("bf16_path")
+    return f"native-{_source_key()}-{int8_isa()}" + (f"-bf16:{chosen}" if chosen else "")
+
+
+def note_bf16_path(path: str | None) -> None:
+    """Record the bf16 path this process chose by measurement (``linear.choose_bf16``), for ``identity``."""
+    _loaded["bf16_path"] = path
 
 
 _ISAS = ("avx2", "avx512vnni")
