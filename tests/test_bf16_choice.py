@@ -268,3 +268,26 @@ def test_doctor_shows_the_choice_and_the_times(tmp_path, monkeypatch):
     assert "dflash-avx512bf16 chosen by measurement" in check.message
     assert "12.10 / 15.40 ms" in check.message and "20.10 / 13.30 ms" in check.message
     assert "verify rows differ" in check.message and "L24:" in check.message
+
+
+def test_the_library_builds_and_runs_without_the_avx512bf16_path(tmp_path):
+    """A compiler without AVX-512-BF16 intrinsics (GCC < 10, clang < 9; forced here with
+    -DHAVE_BF16DP=0) still builds the kernels: the path reports itself unsupported and its entry
+    point computes what dflash's float32-activation kernel computes (never an illegal instruction)."""
+    import ctypes
+    import subprocess
+
+    cc = kernels._compiler()
+    if cc is None or kernels._cpu_ok() is not None:
+        pytest.skip(f"the native kernels do not build here: {kernels._cpu_ok() or 'no C compiler'}")
+    lib_path = tmp_path / "gemm.so"
+    cmd = [cc, *kernels.FLAGS, "-DHAVE_BF16DP=0", *(str(s) for s in kernels.SOURCES), "-o", str(lib_path)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lib = ctypes.CDLL(str(lib_path))
+    assert lib.dflash_bf16dp_supported() == 0
+    wrap = kernels._wrap_float(torch.bfloat16, returns_rc=True)
+    dp, plain = wrap(lib.dflash_bf16dp_gemm), kernels._wrap_float(torch.bfloat16)(lib.dflash_bf16_gemm)
+    w = torch.randn(37, 77).to(torch.bfloat16)
+    x = torch.randn(5, 77)
+    assert torch.equal(dp(x, w, None), plain(x, w, None))

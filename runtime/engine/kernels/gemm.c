@@ -431,10 +431,12 @@ void dflash_f32_gemm(const float *x, int64_t M, int64_t K, const float *w, const
  * cpuid reports AVX-512 F/BW/BF16; on other CPUs, or with a compiler that has no AVX-512-BF16
  * intrinsics (GCC < 10, clang < 9), dflash_bf16dp_supported() is 0 and dflash_bf16dp_gemm runs
  * dflash_bf16_gemm instead (never an illegal instruction). */
+#ifndef HAVE_BF16DP /* -DHAVE_BF16DP=0 builds the fallback only (as an older compiler does) */
 #if (defined(__clang__) && __clang_major__ >= 9) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 10)
 #define HAVE_BF16DP 1
 #else
 #define HAVE_BF16DP 0
+#endif
 #endif
 
 static int bf16dp_cpu = -1; /* -1 = not asked yet */
