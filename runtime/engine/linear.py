@@ -6,11 +6,15 @@ a BLAS whose small-row GEMMs run at half the packed kernel's speed on AVX2 CPUs)
 (concatenated) weight once into oneDNN's blocked layout (``mkldnn._reorder_linear_weight``, the
 op torch.compile's CPU backend emits for frozen weights) and calls the packed GEMM
 (``mkldnn._linear_pointwise``): same kernel family, same results, several times less time per
-call. On CPUs where oneDNN has no native bf16 (AVX2, AVX-512 without BF16: it emulates bf16 GEMMs
-several times slower than float32), bf16 weights go to dflash's native bf16 GEMM instead
-(``runtime.engine.kernels``: the bf16 weights widened to float32 in registers, float32 accumulation,
-half float32's bytes read per step). Where neither runs (CUDA, float16) the modules are called as
-they are.
+call. bf16 weights on a CPU take one of three paths (``current_bf16_path``): dflash's native bf16
+GEMM (``runtime.engine.kernels``: the bf16 weights widened to float32 in registers, float32
+activations and accumulation, half float32's bytes read per step), its AVX-512-BF16 GEMM
+(``vdpbf16ps``, activations rounded per row to bf16) where the CPU has it, or oneDNN's packed GEMM
+with bf16 activations where oneDNN has native bf16. A bf16 target's path is chosen by measurement at
+its first load on a machine (``choose_bf16``: the fastest that computes a verify row exactly as a
+one-token row; ``runtime.engine.kernels.choice``); without one, oneDNN's where the CPU has native
+bf16, else dflash's (oneDNN emulates bf16 several times slower than float32 there). Where nothing
+runs (CUDA, float16) the modules are called as they are.
 
 int8 weight-only weights (torchao ``Int8Tensor``: int8 values + one scale per output row, what
 ``--quantize int8`` makes) are fused the same way on a CPU and computed by dflash's native int8 GEMM

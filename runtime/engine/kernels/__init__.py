@@ -9,11 +9,14 @@
 - ``bf16_gemm``: bfloat16 weights, widened to float32 exactly, float32 accumulation. On CPUs without native bf16
   (AVX2, AVX-512 without BF16) oneDNN and ATen emulate bf16 GEMMs several times slower than
   float32; this reads half float32's bytes at float32's arithmetic.
+- ``bf16dp_gemm``: bfloat16 weights x activations rounded per row to bfloat16, ``vdpbf16ps``
+  (AVX-512-BF16; only where cpuid reports it, else None). Different results from ``bf16_gemm``'s, so
+  a model runs one of the two for every step (``runtime.engine.linear.choose_bf16`` measures which).
 - ``f32_gemm``: float32 weights in register-blocked tiles (2 input rows x 4 weight rows). With
   float32's bytes a step of a few rows runs out of arithmetic sooner than with bf16 or int8 weights,
   so this one shares loads across a tile instead of streaming one weight row at a time.
 
-All three read each weight row once per call for all rows of a verify block, and compute every row
+All four read each weight row once per call for all rows of a verify block, and compute every row
 exactly as it would alone (the lossless contract of greedy DFlash).
 
 The shared library is built with the system C compiler (``cc``, ``gcc`` or ``clang`` on PATH) into
