@@ -291,3 +291,19 @@ def test_the_library_builds_and_runs_without_the_avx512bf16_path(tmp_path):
     w = torch.randn(37, 77).to(torch.bfloat16)
     x = torch.randn(5, 77)
     assert torch.equal(dp(x, w, None), plain(x, w, None))
+
+
+def test_a_stored_choice_is_read_and_doctor_speed_measures_again(tmp_path):
+    """The second load of a bf16 target reads its stored choice; after ``remeasure_bf16`` (what
+    `dflash doctor --speed` calls) the paths are timed again."""
+    if not linear.bf16_candidates():
+        pytest.skip("no bf16 path runs on this CPU")
+    model = _bf16_target()
+    first = linear.choose_bf16(model)
+    assert first is not None and first.chosen == linear.current_bf16_path()
+    assert linear.choose_bf16(model).measured_at == first.measured_at  # read, not measured
+    linear.remeasure_bf16()
+    again = linear.choose_bf16(model)
+    assert again.measured_at > first.measured_at
+    (stored,) = read_choices(choice.choice_file())[0].values()
+    assert stored.measured_at == again.measured_at

@@ -57,6 +57,7 @@ def doctor(
         from dataclasses import replace
 
         from runtime.bench.probe import measure_speed, save_result
+        from runtime.engine.linear import remeasure_bf16
         from runtime.pipeline import Pipeline
         from runtime.session import calibrate, open_pipeline
 
@@ -68,6 +69,7 @@ def doctor(
                 calibrate(pipe, opts.calibration_file)
 
         say = lambda m: print(m, file=sys.stderr)  # noqa: E731
+        remeasure_bf16()  # the bf16 GEMM paths are timed again too (kernel-choice.json)
         save_result(measure_speed(load_with, progress=say, calibrate=measure_costs), speed_file)
     from runtime.engine.kernels.choice import choice_file
 

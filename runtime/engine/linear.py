@@ -210,6 +210,12 @@ def _step_rows_match(model: nn.Module, path: str, rows: int = 8) -> bool:
     return True
 
 
+def remeasure_bf16() -> None:
+    """Make every later ``choose_bf16`` of this process measure again instead of reading a stored
+    choice (``dflash doctor --speed``)."""
+    _process["remeasure"] = "yes"
+
+
 def choose_bf16(model: nn.Module, cache_file: Path | None = None, remeasure: bool = False) -> Any:
     """Choose by measurement the bf16 path of a bf16 target on a CPU (see
     ``runtime.engine.kernels.choice``): new projections of this process take it (``current_bf16_path``).
@@ -249,7 +255,7 @@ def choose_bf16(model: nn.Module, cache_file: Path | None = None, remeasure: boo
 
     _process["choosing"] = "yes"
     try:
-        choice = cached_choice(shapes, candidates, build, cache_file, remeasure)
+        choice = cached_choice(shapes, candidates, build, cache_file, remeasure or "remeasure" in _process)
     finally:
         _process.pop("choosing", None)
     if choice.chosen is not None:
