@@ -422,17 +422,20 @@ void dflash_f32_gemm(const float *x, int64_t M, int64_t K, const float *w, const
  * rounded), so one process runs one of the two for a model's one-token steps and verifies alike
  * (runtime/engine/linear.py chooses by measurement).
  *
- * Exactness contract, as above: every pair is reduced the same way whatever the row count, the other
- * rows and the thread count: two 16-lane accumulators over k (32-element chunks alternating between
- * them, the last chunk zero-padded), added, reduced across lanes in a fixed order, then biased. Input
- * rows are taken up to eight at a time against one weight row only to share its loads.
- * (Two weight rows per tile, sharing each activation load, were measured slower on a 2-core
- * AVX-512-BF16 EPYC with weights streamed from memory: 1.5-2x at K = 896, faster only at K = 4864.)
+ * Exactness contract, as above: every (weight row, input row) pair is reduced the same way whatever
+ * the row count, the other rows and the thread count (see dp_tile), then biased. Input rows are taken
+ * up to eight at a time against one or two weight rows only to share loads. Measured on a 2-core
+ * AVX-512-BF16 EPYC, weights streamed from memory, one thread: two weight rows per tile made an
+ * 8-row verify at K = 4864 1.7x faster but every call at K = 896 1.5-2x slower (two streams 1.8 KB
+ * apart), so rows of at least DP_PAIR_K go in pairs.
  *
  * Compiled with a target attribute (the library itself is built for AVX2) and called only where
  * cpuid reports AVX-512 F/BW/BF16; on other CPUs, or with a compiler that has no AVX-512-BF16
  * intrinsics (GCC < 10, clang < 9), dflash_bf16dp_supported() is 0 and dflash_bf16dp_gemm runs
  * dflash_bf16_gemm instead (never an illegal instruction). */
+#ifndef DP_PAIR_K
+#define DP_PAIR_K 2048
+#endif
 #ifndef HAVE_BF16DP /* -DHAVE_BF16DP=0 builds the fallback only (as an older compiler does) */
 #if (defined(__clang__) && __clang_major__ >= 9) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 10)
 #define HAVE_BF16DP 1
@@ -474,52 +477,59 @@ VBF16 static void bf16_rows(const float *x, int64_t M, int64_t K, int64_t Kp, ui
     }
 }
 
-/* One weight row (w, K elements) against MX bf16 rows (xb, Kp apart): out[b] = the pair's dot product. */
+/* NW weight rows (w, K elements apart; NW <= 2) against MX bf16 rows (xb, Kp apart; MX <= 8):
+ * out[a * MX + b] = the dot product of weight row a and input row b. Each pair has one 16-lane
+ * accumulator over k in 32-element chunks, in order (the last chunk zero-padded), reduced across lanes
+ * in a fixed order: the same instructions for a pair whatever NW, MX or tile it sits in. */
 VBF16 static inline __attribute__((always_inline)) void dp_tile(const uint16_t *w, int64_t K, const uint16_t *xb,
-                                                                 int64_t Kp, int MX, float *out) {
-    __m512 a0[8], a1[8];
-    for (int b = 0; b < MX; b++) a0[b] = a1[b] = _mm512_setzero_ps();
-    const int64_t K64 = K & ~(int64_t)63;
+                                                                 int64_t Kp, int NW, int MX, float *out) {
+    __m512 acc[2][8];
+    for (int a = 0; a < NW; a++)
+        for (int b = 0; b < MX; b++) acc[a][b] = _mm512_setzero_ps();
+    const int64_t K32 = K & ~(int64_t)31;
     int64_t k = 0;
-    for (; k < K64; k += 64) {
-        _mm_prefetch((const char *)(w + k) + PREFETCH, _MM_HINT_T0);
-        const __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void *)(w + k));
-        const __m512bh w1 = (__m512bh)_mm512_loadu_si512((const void *)(w + k + 32));
+    for (; k < K32; k += 32) {
+        __m512bh wv[2];
+        for (int a = 0; a < NW; a++) {
+            if (NW == 1) /* one stream: PREFETCH bytes ahead in its row */
+                _mm_prefetch((const char *)(w + k) + PREFETCH, _MM_HINT_T0);
+            else /* two rows: the same k of the next pair */
+                _mm_prefetch((const char *)(w + (a + 2) * K + k), _MM_HINT_T0);
+            wv[a] = (__m512bh)_mm512_loadu_si512((const void *)(w + a * K + k));
+        }
         for (int b = 0; b < MX; b++) {
-            a0[b] = _mm512_dpbf16_ps(a0[b], w0, (__m512bh)_mm512_loadu_si512((const void *)(xb + b * Kp + k)));
-            a1[b] = _mm512_dpbf16_ps(a1[b], w1, (__m512bh)_mm512_loadu_si512((const void *)(xb + b * Kp + k + 32)));
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(xb + b * Kp + k));
+            for (int a = 0; a < NW; a++) acc[a][b] = _mm512_dpbf16_ps(acc[a][b], wv[a], xv);
         }
     }
-    if (k < K) { /* at most two 32-element chunks left: the first into a0, the second into a1 */
-        const int64_t left0 = K - k;
-        const __mmask32 m0 = left0 >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << left0) - 1);
-        const __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi16(m0, (const void *)(w + k));
-        for (int b = 0; b < MX; b++)
-            a0[b] = _mm512_dpbf16_ps(a0[b], w0, (__m512bh)_mm512_loadu_si512((const void *)(xb + b * Kp + k)));
-        if (left0 > 32) {
-            const int64_t left1 = left0 - 32;
-            const __mmask32 m1 = (__mmask32)((1u << left1) - 1);
-            const __m512bh w1 = (__m512bh)_mm512_maskz_loadu_epi16(m1, (const void *)(w + k + 32));
-            for (int b = 0; b < MX; b++)
-                a1[b] = _mm512_dpbf16_ps(a1[b], w1, (__m512bh)_mm512_loadu_si512((const void *)(xb + b * Kp + k + 32)));
+    if (k < K) { /* the last chunk: weights masked, activations zero-padded to Kp */
+        const __mmask32 mask = (__mmask32)((1u << (K - k)) - 1);
+        __m512bh wv[2];
+        for (int a = 0; a < NW; a++) wv[a] = (__m512bh)_mm512_maskz_loadu_epi16(mask, (const void *)(w + a * K + k));
+        for (int b = 0; b < MX; b++) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(xb + b * Kp + k));
+            for (int a = 0; a < NW; a++) acc[a][b] = _mm512_dpbf16_ps(acc[a][b], wv[a], xv);
         }
     }
-    for (int b = 0; b < MX; b++) out[b] = _mm512_reduce_add_ps(_mm512_add_ps(a0[b], a1[b]));
+    for (int a = 0; a < NW; a++)
+        for (int b = 0; b < MX; b++) out[a * MX + b] = _mm512_reduce_add_ps(acc[a][b]);
 }
-
-/* weight row n against every input row of the pass */
+/* weight rows [n, n + NW) against every input row of the pass */
 VBF16 static void dp_rows(const uint16_t *w, int64_t K, const uint16_t *xb, int64_t Kp, int64_t M, int64_t N,
-                          int64_t n, const float *bias, float *y) {
-    float dots[8];
+                          int64_t n, int NW, const float *bias, float *y) {
+    float dots[16];
     for (int64_t m = 0; m < M;) {
         const int64_t left = M - m;
         const int MX = left >= 8 ? 8 : (int)left;
-        switch (MX) { /* literal shapes, so each tile is compiled unrolled */
-#define T(mx) case mx: dp_tile(w + n * K, K, xb + m * Kp, Kp, mx, dots); break;
-            T(1) T(2) T(3) T(4) T(5) T(6) T(7) T(8)
+        switch (NW * 16 + MX) { /* literal shapes, so each tile is compiled unrolled */
+#define T(nw, mx) case nw * 16 + mx: dp_tile(w + n * K, K, xb + m * Kp, Kp, nw, mx, dots); break;
+            T(1, 1) T(1, 2) T(1, 3) T(1, 4) T(1, 5) T(1, 6) T(1, 7) T(1, 8)
+            T(2, 1) T(2, 2) T(2, 3) T(2, 4) T(2, 5) T(2, 6) T(2, 7) T(2, 8)
 #undef T
         }
-        for (int b = 0; b < MX; b++) y[(m + b) * N + n] = bias ? dots[b] + bias[n] : dots[b];
+        for (int a = 0; a < NW; a++)
+            for (int b = 0; b < MX; b++)
+                y[(m + b) * N + n + a] = bias ? dots[a * MX + b] + bias[n + a] : dots[a * MX + b];
         m += MX;
     }
 }
@@ -539,8 +549,16 @@ int dflash_bf16dp_gemm(const float *x, int64_t M, int64_t K, const uint16_t *w, 
             const int64_t mb = M - m0 < MBLOCK ? M - m0 : MBLOCK;
             const uint16_t *xp = xb + m0 * Kp;
             float *yp = y + m0 * N;
+            /* long rows: two weight rows per tile share each activation load (a verify's rows are
+             * read from L1/L2 once per two weight rows); short rows: one, which streams the
+             * weights from memory faster (measured, see above) */
+            const int nw = K >= DP_PAIR_K ? 2 : 1;
+            const int64_t tiles = (N + nw - 1) / nw;
 #pragma omp parallel for num_threads(threads) schedule(static)
-            for (int64_t n = 0; n < N; n++) dp_rows(w, K, xp, Kp, mb, N, n, bias, yp);
+            for (int64_t t = 0; t < tiles; t++) {
+                const int64_t n = nw * t;
+                dp_rows(w, K, xp, Kp, mb, N, n, N - n >= nw ? nw : 1, bias, yp);
+            }
         }
         free(xb);
         return 0;
