@@ -377,12 +377,32 @@ def _speed(speed_file: Path, target_name: str, device: torch.device, dtype: torc
     return Check("speed", "info", f"{describe(stored)} (measured {when})")
 
 
+def _kernels(kernel_file: Path) -> Check:
+    """The bf16 GEMM path chosen by measurement on this machine (the newest choice: one per target
+    shape), with every candidate's times."""
+    from runtime.engine.models.kernels.choice import describe, machine_key, read_choices
+
+    choices, problem = read_choices(kernel_file)
+    if problem is not None:
+        return Check("kernels", "warn", f"ignoring {kernel_file} ({problem})", "the next bf16 load measures again")
+    here = machine_key() + "|"
+    mine = [c for key, c in choices.items() if key.startswith(here)]
+    if not mine:
+        return Check(
+            "kernels", "info", "bf16 GEMM: not measured on this machine yet", "`dflash doctor --speed` measures it"
+        )
+    newest = max(mine, key=lambda c: c.measured_at)
+    when = time.strftime("%Y-%m-%d", time.localtime(newest.measured_at))
+    return Check("kernels", "info", f"{describe(newest)}; target {newest.shapes} (measured {when})")
+
+
 def run_doctor(
     ref: Any,
     runtime: RuntimeConfig,
     opts: Any,
     memory_probe: MemoryProbe | None = None,
     speed_file: Path | None = None,
+    kernel_file: Path | None = None,
 ) -> list[Check]:
     """Check device, dtype, memory, the pair's files and compatibility, and the chat template.
 
@@ -392,6 +412,8 @@ def run_doctor(
         opts: ``LoadOptions`` (cache folders, revision); ``offline`` is implied.
         memory_probe: returns (total, available) bytes of a device (default ``device_memory``).
         speed_file: where ``dflash doctor --speed`` keeps its measurements (None: no speed line).
+        kernel_file: where the bf16 GEMM choices are kept (``kernels.choice.choice_file``; None: no
+            kernels line; shown on a CPU only).
 
     Returns:
         The checks in report order; any with status "fail" means the pair will not run as asked.
@@ -460,6 +482,8 @@ def run_doctor(
         checks.append(
             _speed(speed_file, embedded.TARGET_NAME if target_ref == "embedded" else str(target_ref), device, dtype)
         )
+    if kernel_file is not None and device.type == "cpu":
+        checks.append(_kernels(kernel_file))
     from runtime.models.store import hub_cache_dir
 
     cache = hub_cache_dir(opts.hf_cache_dir)

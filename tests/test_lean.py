@@ -122,10 +122,14 @@ def test_engine_choice():
 
 
 @pytest.mark.skipif(not FusedLinear.can_pack(torch.device("cpu"), torch.bfloat16), reason="no oneDNN bf16 here")
-def test_packed_bf16_matches_unpacked():
+def test_packed_bf16_matches_unpacked(monkeypatch):
     """Packed oneDNN GEMMs compute what F.linear computes (bf16), for the target and the drafter
     (bf16 activations on both sides: CPUs without native bf16 would otherwise compute the lean side
-    in float32, see test_bf16_weights_with_float32_activations)."""
+    in float32, see test_bf16_weights_with_float32_activations). The oneDNN path is pinned: the path
+    chosen by measurement may be one of dflash's, see test_bf16_choice.py."""
+    from runtime.engine import linear
+
+    monkeypatch.setattr(linear, "current_bf16_path", lambda: linear.ONEDNN_BF16)
     model = make_target("qwen2", vocab_size=96, seed=6).to(torch.bfloat16)
     hf, lean = TargetModel(model), LeanTarget(model, float_activations=False)
     assert lean.packed

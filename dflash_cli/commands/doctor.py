@@ -43,8 +43,8 @@ def doctor(
         bool,
         typer.Option(
             "--speed",
-            help="Load the pair and measure which precision (bf16, int8, int4) and decoder is fastest here "
-            "(about a minute; remembered for later `dflash doctor` runs).",
+            help="Load the pair and measure which precision (bf16, int8, int4) and decoder is fastest here, "
+            "and which bf16 GEMM (about a minute; remembered for later `dflash doctor` runs).",
         ),
     ] = False,
 ) -> None:
@@ -57,6 +57,7 @@ def doctor(
         from dataclasses import replace
 
         from runtime.bench.probe import measure_speed, save_result
+        from runtime.engine.models.linear import remeasure_bf16
         from runtime.pipeline import Pipeline
         from runtime.session import calibrate, open_pipeline
 
@@ -68,8 +69,11 @@ def doctor(
                 calibrate(pipe, opts.calibration_file)
 
         say = lambda m: print(m, file=sys.stderr)  # noqa: E731
+        remeasure_bf16()  # the bf16 GEMM paths are timed again too (kernel-choice.json)
         save_result(measure_speed(load_with, progress=say, calibrate=measure_costs), speed_file)
-    checks = run_doctor(opts.ref, opts.runtime, opts.load, speed_file=speed_file)
+    from runtime.engine.models.kernels.choice import choice_file
+
+    checks = run_doctor(opts.ref, opts.runtime, opts.load, speed_file=speed_file, kernel_file=choice_file())
     code = exit_code(checks)
     if json_out:
         print(json.dumps({"ok": code == 0, "exit_code": code, "checks": [c.to_json() for c in checks]}, indent=2))

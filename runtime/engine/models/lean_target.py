@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.engine.models.linear import FusedLinear, Int8Head
+from runtime.engine.models.linear import FusedLinear, Int8Head, choose_bf16
 from runtime.engine.models.target import TargetModel
 
 _FAMILIES = ("llama", "qwen2", "qwen3")
@@ -224,6 +224,8 @@ class LeanTarget(TargetModel):
             raise ValueError(f"the lean forward cannot run this model: {why}")
         cfg = self.config
         weights = self.embed.weight.dtype
+        if pack is not False and float_activations is not False:
+            choose_bf16(model)  # bf16 weights on a CPU: the GEMM path chosen by measurement (linear.py)
         if pack is None:
             pack = FusedLinear.can_pack(self.device, weights)
         self.packed = pack
@@ -296,7 +298,7 @@ class LeanTarget(TargetModel):
             assert f.weight is not None
             n, k = f.weight.shape
             scale = f.scale if f.int8 else None
-            kind = 1 if f.int8 else 2 if f.f32 is not None else 0  # Proj.kind: int8, float32 or bf16 weights
+            kind = f.native_kind  # Proj.kind: bf16, int8, float32 or bf16 on the AVX-512-BF16 path
             return kernels.Proj(ptr(f.weight), ptr(scale), ptr(f.bias), int(n), int(k), kind)
 
         arr = (kernels.Layer * len(self.lean_layers))()

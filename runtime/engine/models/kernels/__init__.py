@@ -9,11 +9,14 @@
 - ``bf16_gemm``: bfloat16 weights, widened to float32 exactly, float32 accumulation. On CPUs without native bf16
   (AVX2, AVX-512 without BF16) oneDNN and ATen emulate bf16 GEMMs several times slower than
   float32; this reads half float32's bytes at float32's arithmetic.
+- ``bf16dp_gemm``: bfloat16 weights x activations rounded per row to bfloat16, ``vdpbf16ps``
+  (AVX-512-BF16; only where cpuid reports it, else None). Different results from ``bf16_gemm``'s, so
+  a model runs one of the two for every step (``runtime.engine.models.linear.choose_bf16`` measures which).
 - ``f32_gemm``: float32 weights in register-blocked tiles (2 input rows x 4 weight rows). With
   float32's bytes a step of a few rows runs out of arithmetic sooner than with bf16 or int8 weights,
   so this one shares loads across a tile instead of streaming one weight row at a time.
 
-All three read each weight row once per call for all rows of a verify block, and compute every row
+All four read each weight row once per call for all rows of a verify block, and compute every row
 exactly as it would alone (the lossless contract of greedy DFlash).
 
 The shared library is built with the system C compiler (``cc``, ``gcc`` or ``clang`` on PATH) into
@@ -110,7 +113,15 @@ def _compiler_id(cc: str | None) -> str | None:
 
 
 # Every symbol dflash calls in the library: one that lacks any of them is not used.
-SYMBOLS = ("dflash_int8_isa", "dflash_int8_gemm", "dflash_bf16_gemm", "dflash_f32_gemm", "dflash_layers")
+SYMBOLS = (
+    "dflash_int8_isa",
+    "dflash_int8_gemm",
+    "dflash_bf16_gemm",
+    "dflash_bf16dp_supported",
+    "dflash_bf16dp_gemm",
+    "dflash_f32_gemm",
+    "dflash_layers",
+)
 ELF = b"\x7fELF"
 
 
@@ -152,6 +163,12 @@ def _source_hash() -> str:
 
 def _source_key() -> str:
     return _source_hash()[:16]
+
+
+def source_key() -> str:
+    """Which native kernels this process would run ("<hash of source and flags>", or "off" where they
+    are switched off), without building or loading them."""
+    return _source_key() if _settings["enabled"] else "off"
 
 
 def _check(data: bytes, lib_path: Path) -> str | None:
@@ -259,9 +276,18 @@ def _load(lib_path: Path) -> tuple[ctypes.CDLL | None, str | None]:
 
 
 def identity() -> str:
-    """Which native kernels a process runs ("native-<hash of source and flags>-<int8 path>", or
-    "off"): part of the key of cached speed measurements, which a kernel change invalidates."""
-    return f"native-{_source_key()}-{int8_isa()}" if _library() is not None else "off"
+    """Which native kernels a process runs ("native-<hash of source and flags>-<int8 path>", then
+    "-bf16:<path>" where a bf16 path was chosen by measurement (``note_bf16_path``), or "off"): part
+    of the key of cached speed measurements, which a kernel change invalidates."""
+    if _library() is None:
+        return "off"
+    chosen = _loaded.get("bf16_path")
+    return f"native-{_source_key()}-{int8_isa()}" + (f"-bf16:{chosen}" if chosen else "")
+
+
+def note_bf16_path(path: str | None) -> None:
+    """Record the bf16 path this process chose by measurement (``linear.choose_bf16``), for ``identity``."""
+    _loaded["bf16_path"] = path
 
 
 _ISAS = ("avx2", "avx512vnni")
@@ -325,6 +351,29 @@ def bf16_gemm() -> Bf16Gemm | None:
     return fn
 
 
+def bf16dp_supported() -> bool:
+    """Whether this CPU (cpuid: AVX-512 F/BW/BF16) and this build run ``bf16dp_gemm``'s own path."""
+    lib = _library()
+    if lib is None:
+        return False
+    fn = lib.dflash_bf16dp_supported
+    fn.restype, fn.argtypes = ctypes.c_int, []
+    return bool(fn())
+
+
+def bf16dp_gemm() -> Bf16Gemm | None:
+    """The AVX-512-BF16 bf16-weight GEMM (``vdpbf16ps``; activations rounded per row to bf16 inside),
+    ``f(x [M, K] f32, w [N, K] bf16, bias [N] f32 | None) -> y [M, N] f32``, or None where this CPU or
+    build has no AVX-512-BF16 or the library cannot run here (no line on stderr: callers offer the
+    other bf16 paths instead)."""
+    if "bf16dp" not in _loaded:
+        lib = _library()
+        wrap = _wrap_float(torch.bfloat16, returns_rc=True)
+        _loaded["bf16dp"] = wrap(lib.dflash_bf16dp_gemm) if lib is not None and bf16dp_supported() else None
+    fn: Bf16Gemm | None = _loaded["bf16dp"]
+    return fn
+
+
 def f32_gemm() -> Bf16Gemm | None:
     """The compiled float32-weight GEMM, ``f(x [M, K] f32, w [N, K] f32, bias [N] f32 | None) -> y [M, N]
     f32``, or None where it cannot run here (see ``why_not``)."""
@@ -341,7 +390,7 @@ class Proj(ctypes.Structure):
         ("bias", ctypes.c_void_p),
         ("n", ctypes.c_int64),
         ("k", ctypes.c_int64),
-        ("kind", ctypes.c_int64),  # weights: 0 = bf16, 1 = int8, 2 = float32
+        ("kind", ctypes.c_int64),  # weights: 0 = bf16, 1 = int8, 2 = float32, 3 = bf16 on the AVX-512-BF16 path
     ]
 
 
@@ -527,12 +576,13 @@ def _wrap_int8(c_fn: ctypes._NamedFuncPointer) -> Int8Gemm:
     return gemm
 
 
-def _wrap_float(weights: torch.dtype) -> Callable[[ctypes._NamedFuncPointer], Bf16Gemm]:
-    """The wrapper of a GEMM over ``weights`` (bfloat16 or float32) weights."""
+def _wrap_float(weights: torch.dtype, returns_rc: bool = False) -> Callable[[ctypes._NamedFuncPointer], Bf16Gemm]:
+    """The wrapper of a GEMM over ``weights`` (bfloat16 or float32) weights (``returns_rc``: the C
+    function returns 0, or -1 without memory for its activation buffer)."""
     name = f"{str(weights).removeprefix('torch.')} GEMM"
 
     def wrap(c_fn: ctypes._NamedFuncPointer) -> Bf16Gemm:
-        c_fn.restype = None
+        c_fn.restype = ctypes.c_int if returns_rc else None
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         c_fn.argtypes = [p, i64, i64, p, p, i64, p, ctypes.c_int]
 
@@ -544,7 +594,7 @@ def _wrap_float(weights: torch.dtype) -> Callable[[ctypes._NamedFuncPointer], Bf
             if bias is not None:
                 _need(name, "bias", bias, torch.float32, (n,))
             y = torch.empty((m, n), dtype=torch.float32)
-            c_fn(
+            rc = c_fn(
                 x.data_ptr(),
                 m,
                 k,
@@ -554,6 +604,8 @@ def _wrap_float(weights: torch.dtype) -> Callable[[ctypes._NamedFuncPointer], Bf
                 y.data_ptr(),
                 torch.get_num_threads(),
             )
+            if returns_rc and rc != 0:
+                raise MemoryError(f"{name}: no memory for a {m}x{k} activation buffer")
             return y
 
         return gemm

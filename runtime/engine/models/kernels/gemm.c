@@ -12,6 +12,8 @@
  *   dflash_bf16_gemm: bfloat16 weights (widened to float32 exactly: a 16-bit shift), float32
  *     activations and FMA accumulation.
  *   dflash_f32_gemm: float32 weights, register-blocked (see f32_tile).
+ *   dflash_bf16dp_gemm: bfloat16 weights x activations rounded per row to bfloat16, vdpbf16ps
+ *     (AVX-512-BF16, chosen at run time by cpuid; see the end of this file).
  *
  * Written for the shapes of a decode or verify step (M = 1..65 rows, K = hidden or MLP width): each
  * weight row is read from memory once per call and kept in L1 while every input row uses it, so a
@@ -408,4 +410,160 @@ void dflash_f32_gemm(const float *x, int64_t M, int64_t K, const float *w, const
         f32_raw(x + m0 * K, mb, K, w, N, y + m0 * N, threads);
     }
     epilogue(y, M, N, NULL, bias);
+}
+
+/* ---- bf16 weights x bf16-rounded activations with AVX-512-BF16 (vdpbf16ps) ----------------------
+ *
+ * dflash_bf16dp_gemm: the activations are rounded per row to bfloat16 (round to nearest even, from
+ * that row alone), and each (weight row, input row) pair is summed by vdpbf16ps: 32 bf16 x bf16
+ * products per instruction, added in pairs into 16 float32 lanes. Half the arithmetic instructions
+ * of the float32-activation path per weight and no widening of the weights, which is what a verify
+ * block of several rows is bound by. Its results differ from dflash_bf16_gemm's (the activations are
+ * rounded), so one process runs one of the two for a model's one-token steps and verifies alike
+ * (runtime/engine/linear.py chooses by measurement).
+ *
+ * Exactness contract, as above: every (weight row, input row) pair is reduced the same way whatever
+ * the row count, the other rows and the thread count (see dp_tile), then biased. Input rows are taken
+ * up to eight at a time against one or two weight rows only to share loads. Measured on a 2-core
+ * AVX-512-BF16 EPYC, weights streamed from memory, one thread: two weight rows per tile made an
+ * 8-row verify at K = 4864 1.7x faster but every call at K = 896 1.5-2x slower (two streams 1.8 KB
+ * apart), so rows of at least DP_PAIR_K go in pairs.
+ *
+ * Compiled with a target attribute (the library itself is built for AVX2) and called only where
+ * cpuid reports AVX-512 F/BW/BF16; on other CPUs, or with a compiler that has no AVX-512-BF16
+ * intrinsics (GCC < 10, clang < 9), dflash_bf16dp_supported() is 0 and dflash_bf16dp_gemm runs
+ * dflash_bf16_gemm instead (never an illegal instruction). */
+#ifndef DP_PAIR_K
+#define DP_PAIR_K 2048
+#endif
+#ifndef HAVE_BF16DP /* -DHAVE_BF16DP=0 builds the fallback only (as an older compiler does) */
+#if (defined(__clang__) && __clang_major__ >= 9) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 10)
+#define HAVE_BF16DP 1
+#else
+#define HAVE_BF16DP 0
+#endif
+#endif
+
+static int bf16dp_cpu = -1; /* -1 = not asked yet */
+
+/* 1 where this CPU (cpuid) and this build can run the AVX-512-BF16 path, else 0. */
+int dflash_bf16dp_supported(void) {
+    if (bf16dp_cpu < 0) {
+        __builtin_cpu_init();
+#if HAVE_BF16DP
+        bf16dp_cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                     __builtin_cpu_supports("avx512bf16");
+#else
+        bf16dp_cpu = 0;
+#endif
+    }
+    return bf16dp_cpu;
+}
+
+#if HAVE_BF16DP
+#define VBF16 __attribute__((target("avx512f,avx512bw,avx512bf16")))
+
+/* Round x [M, K] float32 to bf16 rows of Kp (a multiple of 32) elements, zero-padded. */
+VBF16 static void bf16_rows(const float *x, int64_t M, int64_t K, int64_t Kp, uint16_t *xb) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *r = x + m * K;
+        uint16_t *q = xb + m * Kp;
+        for (int64_t k = 0; k < Kp; k += 16) {
+            const int64_t left = K - k;
+            const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
+            const __m256bh v = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, r + k));
+            _mm256_storeu_si256((__m256i *)(q + k), (__m256i)v);
+        }
+    }
+}
+
+/* NW weight rows (w, K elements apart; NW <= 2) against MX bf16 rows (xb, Kp apart; MX <= 8):
+ * out[a * MX + b] = the dot product of weight row a and input row b. Each pair has one 16-lane
+ * accumulator over k in 32-element chunks, in order (the last chunk zero-padded), reduced across lanes
+ * in a fixed order: the same instructions for a pair whatever NW, MX or tile it sits in. */
+VBF16 static inline __attribute__((always_inline)) void dp_tile(const uint16_t *w, int64_t K, const uint16_t *xb,
+                                                                 int64_t Kp, int NW, int MX, float *out) {
+    __m512 acc[2][8];
+    for (int a = 0; a < NW; a++)
+        for (int b = 0; b < MX; b++) acc[a][b] = _mm512_setzero_ps();
+    const int64_t K32 = K & ~(int64_t)31;
+    int64_t k = 0;
+    for (; k < K32; k += 32) {
+        __m512bh wv[2];
+        for (int a = 0; a < NW; a++) {
+            if (NW == 1) /* one stream: PREFETCH bytes ahead in its row */
+                _mm_prefetch((const char *)(w + k) + PREFETCH, _MM_HINT_T0);
+            else /* two rows: the same k of the next pair */
+                _mm_prefetch((const char *)(w + (a + 2) * K + k), _MM_HINT_T0);
+            wv[a] = (__m512bh)_mm512_loadu_si512((const void *)(w + a * K + k));
+        }
+        for (int b = 0; b < MX; b++) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(xb + b * Kp + k));
+            for (int a = 0; a < NW; a++) acc[a][b] = _mm512_dpbf16_ps(acc[a][b], wv[a], xv);
+        }
+    }
+    if (k < K) { /* the last chunk: weights masked, activations zero-padded to Kp */
+        const __mmask32 mask = (__mmask32)((1u << (K - k)) - 1);
+        __m512bh wv[2];
+        for (int a = 0; a < NW; a++) wv[a] = (__m512bh)_mm512_maskz_loadu_epi16(mask, (const void *)(w + a * K + k));
+        for (int b = 0; b < MX; b++) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(xb + b * Kp + k));
+            for (int a = 0; a < NW; a++) acc[a][b] = _mm512_dpbf16_ps(acc[a][b], wv[a], xv);
+        }
+    }
+    for (int a = 0; a < NW; a++)
+        for (int b = 0; b < MX; b++) out[a * MX + b] = _mm512_reduce_add_ps(acc[a][b]);
+}
+/* weight rows [n, n + NW) against every input row of the pass */
+VBF16 static void dp_rows(const uint16_t *w, int64_t K, const uint16_t *xb, int64_t Kp, int64_t M, int64_t N,
+                          int64_t n, int NW, const float *bias, float *y) {
+    float dots[16];
+    for (int64_t m = 0; m < M;) {
+        const int64_t left = M - m;
+        const int MX = left >= 8 ? 8 : (int)left;
+        switch (NW * 16 + MX) { /* literal shapes, so each tile is compiled unrolled */
+#define T(nw, mx) case nw * 16 + mx: dp_tile(w + n * K, K, xb + m * Kp, Kp, nw, mx, dots); break;
+            T(1, 1) T(1, 2) T(1, 3) T(1, 4) T(1, 5) T(1, 6) T(1, 7) T(1, 8)
+            T(2, 1) T(2, 2) T(2, 3) T(2, 4) T(2, 5) T(2, 6) T(2, 7) T(2, 8)
+#undef T
+        }
+        for (int a = 0; a < NW; a++)
+            for (int b = 0; b < MX; b++)
+                y[(m + b) * N + n + a] = bias ? dots[a * MX + b] + bias[n + a] : dots[a * MX + b];
+        m += MX;
+    }
+}
+#endif
+
+/* x [M, K] float32 row-major (rounded to bf16 here), w [N, K] bfloat16 bits row-major, bias [N] float32
+ * or NULL, y [M, N]. Returns 0, or -1 when the activation buffer cannot be allocated. */
+int dflash_bf16dp_gemm(const float *x, int64_t M, int64_t K, const uint16_t *w, const float *bias, int64_t N,
+                       float *y, int threads) {
+#if HAVE_BF16DP
+    if (dflash_bf16dp_supported()) {
+        const int64_t Kp = (K + 31) & ~(int64_t)31;
+        uint16_t *xb = (uint16_t *)aligned_alloc(64, (size_t)((M * Kp * 2 + 63) & ~(int64_t)63));
+        if (!xb) return -1;
+        bf16_rows(x, M, K, Kp, xb);
+        for (int64_t m0 = 0; m0 < M; m0 += MBLOCK) {
+            const int64_t mb = M - m0 < MBLOCK ? M - m0 : MBLOCK;
+            const uint16_t *xp = xb + m0 * Kp;
+            float *yp = y + m0 * N;
+            /* long rows: two weight rows per tile share each activation load (a verify's rows are
+             * read from L1/L2 once per two weight rows); short rows: one, which streams the
+             * weights from memory faster (measured, see above) */
+            const int nw = K >= DP_PAIR_K ? 2 : 1;
+            const int64_t tiles = (N + nw - 1) / nw;
+#pragma omp parallel for num_threads(threads) schedule(static)
+            for (int64_t t = 0; t < tiles; t++) {
+                const int64_t n = nw * t;
+                dp_rows(w, K, xp, Kp, mb, N, n, N - n >= nw ? nw : 1, bias, yp);
+            }
+        }
+        free(xb);
+        return 0;
+    }
+#endif
+    dflash_bf16_gemm(x, M, K, w, bias, N, y, threads);
+    return 0;
 }

@@ -31,6 +31,8 @@ void dflash_bf16_gemm(const float *x, int64_t M, int64_t K, const uint16_t *w, c
                       int threads);
 void dflash_f32_gemm(const float *x, int64_t M, int64_t K, const float *w, const float *bias, int64_t N, float *y,
                      int threads);
+int dflash_bf16dp_gemm(const float *x, int64_t M, int64_t K, const uint16_t *w, const float *bias, int64_t N, float *y,
+                       int threads);
 
 /* One projection: weights [N, K] (int8 with one scale per row, bf16 or float32), bias [N] or NULL. */
 typedef struct {
@@ -38,7 +40,7 @@ typedef struct {
     const float *scale; /* int8: per-row scales; bf16, float32: NULL */
     const float *bias;
     int64_t n, k;
-    int64_t kind; /* weights: 0 = bf16, 1 = int8, 2 = float32 */
+    int64_t kind; /* weights: 0 = bf16, 1 = int8, 2 = float32, 3 = bf16 on the AVX-512-BF16 path (gemm.c) */
 } Proj;
 
 /* One decoder layer (the order of fields is the ctypes Structure in kernels/__init__.py). */
@@ -60,6 +62,7 @@ static int proj(const Proj *p, const float *x, int64_t m, float *y, int threads)
         dflash_f32_gemm(x, m, p->k, (const float *)p->w, p->bias, p->n, y, threads);
         return 0;
     }
+    if (p->kind == 3) return dflash_bf16dp_gemm(x, m, p->k, (const uint16_t *)p->w, p->bias, p->n, y, threads);
     dflash_bf16_gemm(x, m, p->k, (const uint16_t *)p->w, p->bias, p->n, y, threads);
     return 0;
 }
