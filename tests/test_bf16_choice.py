@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from runtime.engine.models import kernels, linear
+from runtime.engine.models import bf16_choice, kernels, linear
 from runtime.engine.models.kernels import choice
 from runtime.engine.models.kernels.choice import Candidate, Timing, cached_choice, pick, read_choices, row_independent
 from tests.fakes import greedy_pair, tiny_target_config
@@ -298,12 +298,14 @@ def test_a_stored_choice_is_read_and_doctor_speed_measures_again(tmp_path):
     `dflash doctor --speed` calls) the paths are timed again."""
     if not linear.bf16_candidates():
         pytest.skip("no bf16 path runs on this CPU")
+    from runtime.engine.models.lean_target import _one_layer_forward as one_layer
+
     model = _bf16_target()
-    first = linear.choose_bf16(model)
+    first = bf16_choice.choose_bf16(model, one_layer)
     assert first is not None and first.chosen == linear.current_bf16_path()
-    assert linear.choose_bf16(model).measured_at == first.measured_at  # read, not measured
-    linear.remeasure_bf16()
-    again = linear.choose_bf16(model)
+    assert bf16_choice.choose_bf16(model, one_layer).measured_at == first.measured_at  # read, not measured
+    bf16_choice.remeasure_bf16()
+    again = bf16_choice.choose_bf16(model, one_layer)
     assert again.measured_at > first.measured_at
     (stored,) = read_choices(choice.choice_file())[0].values()
     assert stored.measured_at == again.measured_at

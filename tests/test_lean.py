@@ -127,7 +127,7 @@ def test_packed_bf16_matches_unpacked(monkeypatch):
     (bf16 activations on both sides: CPUs without native bf16 would otherwise compute the lean side
     in float32, see test_bf16_weights_with_float32_activations). The oneDNN path is pinned: the path
     chosen by measurement may be one of dflash's, see test_bf16_choice.py."""
-    from runtime.engine import linear
+    from runtime.engine.models import linear
 
     monkeypatch.setattr(linear, "current_bf16_path", lambda: linear.ONEDNN_BF16)
     model = make_target("qwen2", vocab_size=96, seed=6).to(torch.bfloat16)

@@ -162,7 +162,7 @@ def test_a_long_prefill_runs_pytorch_layers_then_steps_run_native(weights, monke
     f32 = weights == "f32"
     eager, native = LeanTarget(model, native_layers=False, native_f32=f32), LeanTarget(model, native_f32=f32)
     monkeypatch.setattr(lean_target, "NATIVE_MAX_ROWS", 4)
-    monkeypatch.setattr(linear, "F32_NATIVE_MAX_ROWS", 4)
+    monkeypatch.setattr(kernels, "F32_NATIVE_MAX_ROWS", 4)
     called = []
     real = native._native_body
     monkeypatch.setattr(native, "_native_body", lambda *a, **k: called.append(a[0].shape[1]) or real(*a, **k))

@@ -57,7 +57,7 @@ def doctor(
         from dataclasses import replace
 
         from runtime.bench.probe import measure_speed, save_result
-        from runtime.engine.models.linear import remeasure_bf16
+        from runtime.engine.models.bf16_choice import remeasure_bf16
         from runtime.pipeline import Pipeline
         from runtime.session import calibrate, open_pipeline
 

@@ -40,7 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.engine.models.linear import FusedLinear, Int8Head, choose_bf16
+from runtime.engine.models.bf16_choice import choose_bf16
+from runtime.engine.models.linear import FusedLinear, Int8Head
 from runtime.engine.models.target import TargetModel
 
 _FAMILIES = ("llama", "qwen2", "qwen3")
@@ -225,7 +226,7 @@ class LeanTarget(TargetModel):
         cfg = self.config
         weights = self.embed.weight.dtype
         if pack is not False and float_activations is not False:
-            choose_bf16(model)  # bf16 weights on a CPU: the GEMM path chosen by measurement (linear.py)
+            choose_bf16(model, _one_layer_forward)  # bf16 weights on a CPU: the GEMM path chosen by measurement
         if pack is None:
             pack = FusedLinear.can_pack(self.device, weights)
         self.packed = pack
@@ -535,3 +536,8 @@ class LeanTarget(TargetModel):
             hook.remove()
         self._hooks = []
         self._taps = tuple(int(i) for i in layer_ids)
+
+
+def _one_layer_forward(model: nn.Module) -> LeanTarget | None:
+    """The packed lean forward of a one-layer model, for ``choose_bf16``'s step check (None: not runnable)."""
+    return LeanTarget(model, pack=True) if lean_supported(model) is None else None

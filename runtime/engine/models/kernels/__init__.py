@@ -611,3 +611,18 @@ def _wrap_float(weights: torch.dtype, returns_rc: bool = False) -> Callable[[cty
         return gemm
 
     return wrap
+
+
+# Float32 steps of at most this many rows run dflash's native GEMM, longer ones (a prompt's prefill)
+# the BLAS ``F.linear``. Every decode step and every verify block or tree (at most 65 rows) stays on
+# the native kernel, so a row's value never depends on how many rows its step verified.
+F32_NATIVE_MAX_ROWS = 128
+
+
+def f32_project(fn: Any, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A float32 projection: ``fn`` (dflash's float32 GEMM) for a step's rows, the BLAS above
+    ``F32_NATIVE_MAX_ROWS`` rows. y [M, N]."""
+    if x.shape[0] <= F32_NATIVE_MAX_ROWS:
+        y: torch.Tensor = fn(x, w, bias)
+        return y
+    return torch.nn.functional.linear(x, w, bias)

@@ -51,13 +51,11 @@ def _(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tens
 
 @torch.library.custom_op("dflash::f32_linear", mutates_args=())
 def f32_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """A float32 projection as ``FusedLinear`` computes it (``linear.f32_project``: dflash's native
+    """A float32 projection as ``FusedLinear`` computes it (``kernels.f32_project``: dflash's native
     GEMM for a step's rows, the BLAS for a longer prefill). y [M, N] float32."""
-    from runtime.engine.models.linear import f32_project
-
     fn = kernels.f32_gemm()
     assert fn is not None
-    return f32_project(fn, x, w, bias)
+    return kernels.f32_project(fn, x, w, bias)
 
 
 @f32_linear.register_fake
