@@ -31,7 +31,7 @@ import torch
 
 from runtime.engine.target import TargetModel
 from runtime.train.data import Progress, encode_prompt, write_shard
-from runtime.train.prompts import TrainPrompt
+from runtime.train.prompt_list import TrainPrompt
 
 LABELS_KEY = "labels"
 TEACHER_FORCED = "teacher-forced"
