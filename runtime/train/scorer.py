@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.engine.corpus import CorpusCounts
+from runtime.engine.draft_head import copy_pointer
 from runtime.engine.drafter import DFlashDraftModel, draft_columns_to_ids
 from runtime.errors import ConfigError
 from runtime.train import metrics
@@ -51,6 +52,8 @@ class DraftScorer:
         self.vocab = DraftVocab(ids.cpu() if ids is not None else None, head_weight.shape[0])
         head = head_weight[ids.to(head_weight.device)] if ids is not None else head_weight
         self.head = head.to(self.device).contiguous()
+        # full id -> column of the reduced head (negative outside), for the copy pointer
+        self._columns = self.vocab.lookup.to(self.device) if self.vocab.ids is not None else None
         # the copy inputs' pointer scores a proposal outside the draft vocabulary from the full head
         self.full_head = head_weight if drafter.dflash.copy_ngram is not None else None
         if not config.bf16:  # float32 end to end (tests, exactness checks)
@@ -193,17 +196,13 @@ class DraftScorer:
         cid = batch["copy_ids"].view(-1, n_slots)[:, 1:].reshape(-1).to(dev)  # [R] slots 1..b-1
         cn = batch["copy_n"].view(-1, n_slots)[:, 1:].reshape(-1).to(dev)
         bias = self.drafter.copy_logit_bias(cn)  # [R] float32, 0 without a match
-        col = self.vocab.map(cid.cpu()).to(dev)
-        has = cn > 0
-        if self.drafter.draft_vocab_ids is None:
-            return {"bonus": bias, "bonus_col": cid}, None, target
-        inside, outside = has & (col >= 0), has & (col < 0)
-        args = {"bonus": torch.where(inside, bias, torch.zeros_like(bias)), "bonus_col": col.clamp(min=0)}
-        weights = self.full_head[cid.to(self.full_head.device)].to(dev, torch.float32)  # [R, D]
-        score = (rows.float() * weights).sum(-1) + bias
-        args["extra"] = torch.where(outside, score, torch.full_like(score, float("-inf")))
+        # the decoder's pointer (runtime.engine.draft_head), in float32 products
+        p = copy_pointer(rows, cid, bias, cn > 0, self._columns, self.full_head, dtype=torch.float32)
+        if p.extra is None or p.outside is None:  # the full vocabulary
+            return {"bonus": p.bias, "bonus_col": p.col}, None, target
         flat = labels.reshape(-1).to(dev)
-        named = outside & (target < 0) & (flat == cid) & (flat >= 0)
+        named = p.outside & (target < 0) & (flat == cid) & (flat >= 0)
+        args = {"bonus": p.bias, "bonus_col": p.col, "extra": p.extra}
         return args, cid, torch.where(named, torch.full_like(target, self.head.shape[0]), target)
 
     def _all_anchor_runs(
@@ -222,7 +221,7 @@ class DraftScorer:
     @torch.no_grad()
     def walk_metrics(self, data: ShardDataset, max_seqs: int = 16) -> dict[str, Any]:
         """What the real decoder would see on held-out answers: the drafts at *every* anchor, walked
-        as a chain decoder walks them (``walk``). ``tau_tf`` averages the leading run over anchors
+        as a chain decoder walks them (``metrics.walk``). ``tau_tf`` averages the leading run over anchors
         drawn uniformly, but the decoder only anchors where its previous step stopped, right after a
         miss, where drafting is harder: on the embedded pair's OOD answers ``tau_tf`` read 2.56 where
         the decoder (chain of 7, float32, lookup off) measured 2.06, and ``tau_walk`` 2.06.
