@@ -667,12 +667,12 @@ def test_grown_drafter_starts_as_its_source_then_trains(tiny, tmp_path):
 
 
 def test_recorded_out_reads_the_last_command() -> None:
-    from dflash_cli.commands.train import _recorded_out
+    from runtime.train.run_folder import recorded_out
 
-    assert _recorded_out(["dflash train --out runs/a --data d", "dflash train --out runs/a --eval-only"]) == "runs/a"
-    assert _recorded_out(["dflash train --out=runs/b"]) == "runs/b"
-    assert _recorded_out(["dflash train -o runs/c --steps 3"]) == "runs/c"
-    assert _recorded_out(["dflash train --data d"]) is None
+    assert recorded_out(["dflash train --out runs/a --data d", "dflash train --out runs/a --eval-only"]) == "runs/a"
+    assert recorded_out(["dflash train --out=runs/b"]) == "runs/b"
+    assert recorded_out(["dflash train -o runs/c --steps 3"]) == "runs/c"
+    assert recorded_out(["dflash train --data d"]) is None
 
 
 def test_walk_follows_the_decoder_steps():

@@ -1,7 +1,7 @@
 """`dflash train` as library calls: data -> fit -> evaluate -> export, each resumable.
 
 The public facade of ``runtime.train``: each piece lives in its own module (``specs``,
-``datasets``, ``prompt_sources``, ``fit``, ``export``, ``run``).
+``datasets``, ``prompt_sources``, ``fit``, ``export``; the whole command: ``job``).
 
 Run folder layout::
 

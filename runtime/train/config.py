@@ -44,7 +44,7 @@ class TrainConfig:
         anchor_sampling: "uniform" (blocks anchored anywhere in the answer) or "walk" (a window of
             ``anchors`` consecutive anchors per sequence, of which only those a chain decoder would
             visit with the drafter as it is now are trained on: the step's own drafts are walked,
-            ``Trainer.walk_rows``, before the loss is taken).
+            ``metrics.walk_rows``, before the loss is taken).
         walk_seqs: held-out sequences that ``validate`` walks for ``tau_walk``.
     """
 
