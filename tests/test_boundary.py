@@ -10,8 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import runtime
 
 UI = ("typer", "click", "rich", "textual")
@@ -232,10 +230,6 @@ def test_no_import_circles_outside_train():
     assert not found, "import circles:\n" + "\n".join(found)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="runtime/train/ still has two circles (answers <-> api; prompts -> generator -> dedupe -> heldout -> prompts), being fixed apart",
-)
 def test_no_import_circles_in_train():
     found = [" -> ".join(c) for c in circles(import_graph()) if in_train(c)]
     assert not found, "import circles:\n" + "\n".join(found)

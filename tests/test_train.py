@@ -95,7 +95,7 @@ def test_training_loss_falls_and_beats_untrained(tiny, tmp_path):
     untrained.draft_vocab_ids = trained.draft_vocab_ids
     save_draft_model(untrained, tmp_path / "untrained")
     from runtime.train.evaluate import encode
-    from runtime.train.prompts import build_prompts
+    from runtime.train.prompt_sources import build_prompts
 
     held_out = build_prompts(seed=0)[60:]  # the dataset used the first 48
     prompts = [ids for ids in (encode(pipe, p) for p in held_out) if len(ids) < 200][:8]
@@ -470,8 +470,8 @@ def test_prompt_generator_kinds_mix_and_dedupe():
 
 
 def test_generation_batches_hold_prompts_of_similar_length(tmp_path):
-    from runtime.train.api import BUCKET_BATCHES, _prompt_chars, bucket_by_length, stored_prompts
-    from runtime.train.prompts import TrainPrompt
+    from runtime.train.prompt_list import TrainPrompt
+    from runtime.train.prompt_sources import BUCKET_BATCHES, _prompt_chars, bucket_by_length, stored_prompts
 
     rng = __import__("random").Random(1)
     prompts = [TrainPrompt("x" * int(rng.lognormvariate(5, 1)), True, f"k{i % 5}:{i}") for i in range(300)]
@@ -606,7 +606,7 @@ def test_cli_train_from_an_existing_drafter(tiny, tmp_path, monkeypatch):
 def test_cli_data_seed_draws_other_prompts(tiny, tmp_path):
     """--data-seed samples a new dataset's prompts with another seed (a second dataset for more
     breadth); the dataset records it, and extending it later keeps drawing with that seed."""
-    from runtime.train.api import PROMPTS_FILE
+    from runtime.train.prompt_list import PROMPTS_FILE
 
     _, target_dir, _, _ = tiny
     base = ["train", "--target", str(target_dir), "--taps", "1,2,3", "--data-only", "--dtype", "float32"]
@@ -629,7 +629,7 @@ def test_grown_drafter_starts_as_its_source_then_trains(tiny, tmp_path):
     drafter's hidden states (hence its drafts) equal the source's; training then uses the new
     layer, the card says so, and the grown drafter loads and runs. Fewer layers than the source's
     exits 2."""
-    from runtime.train.api import grow_layers
+    from runtime.train.model_init import grow_layers
 
     _, target_dir, data_dir, _ = tiny
     base = ["train", "--target", str(target_dir), "--data", str(data_dir), "--no-eval", "--no-ood-eval"]
@@ -667,22 +667,22 @@ def test_grown_drafter_starts_as_its_source_then_trains(tiny, tmp_path):
 
 
 def test_recorded_out_reads_the_last_command() -> None:
-    from dflash_cli.commands.train import _recorded_out
+    from runtime.train.run_folder import recorded_out
 
-    assert _recorded_out(["dflash train --out runs/a --data d", "dflash train --out runs/a --eval-only"]) == "runs/a"
-    assert _recorded_out(["dflash train --out=runs/b"]) == "runs/b"
-    assert _recorded_out(["dflash train -o runs/c --steps 3"]) == "runs/c"
-    assert _recorded_out(["dflash train --data d"]) is None
+    assert recorded_out(["dflash train --out runs/a --data d", "dflash train --out runs/a --eval-only"]) == "runs/a"
+    assert recorded_out(["dflash train --out=runs/b"]) == "runs/b"
+    assert recorded_out(["dflash train -o runs/c --steps 3"]) == "runs/c"
+    assert recorded_out(["dflash train --data d"]) is None
 
 
 def test_walk_follows_the_decoder_steps():
-    from runtime.train.trainer import Trainer
+    from runtime.train.metrics import walk
 
     # anchors 10..19 of a 21-token sequence: a run of 2 at 10 commits 11, 12 and the target's 13;
     # 13 has a run of 0 -> 14; a run of 1 -> 16; the runs at 11, 12, 15 are never drafted
     runs = [2, 5, 5, 0, 1, 0, 3, 0, 0, 0]
-    assert Trainer.walk(runs, 10, 20) == [2, 0, 1, 3]  # 16 + 3 + 1 = 20: done
-    assert Trainer.walk([7] * 10, 10, 20) == [7, 1]  # the last step commits the answer's last two tokens
+    assert walk(runs, 10, 20) == [2, 0, 1, 3]  # 16 + 3 + 1 = 20: done
+    assert walk([7] * 10, 10, 20) == [7, 1]  # the last step commits the answer's last two tokens
 
 
 def test_tau_walk_predicts_the_chain_decoder(tiny, tmp_path):
@@ -715,7 +715,8 @@ def test_tau_walk_predicts_the_chain_decoder(tiny, tmp_path):
 def test_walk_anchor_sampling_trains_on_the_decoder_anchors(tiny, tmp_path):
     import random
 
-    from runtime.train.trainer import Trainer, build_batch
+    from runtime.train.batching import build_batch
+    from runtime.train.metrics import walk_rows
 
     pipe, _, data_dir, _ = tiny
     tokens = torch.arange(20)
@@ -726,7 +727,7 @@ def test_walk_anchor_sampling_trains_on_the_decoder_anchors(tiny, tmp_path):
     # sequence's window holds 3 anchors
     runs = torch.tensor([[2, 3, 3, 0, 1, 2, 0, 0], [0, 7, 0, 5, 5, 5, 5, 5]])
     anchored = torch.tensor([[True] * 8, [True] * 3 + [False] * 5])
-    assert Trainer.walk_rows(runs, anchored).long().tolist() == [[1, 0, 0, 1, 1, 0, 1, 1], [1, 1, 0, 0, 0, 0, 0, 0]]
+    assert walk_rows(runs, anchored).long().tolist() == [[1, 0, 0, 1, 1, 0, 1, 1], [1, 1, 0, 0, 0, 0, 0, 0]]
     spec = DrafterSpec(num_layers=1, block_size=4, draft_vocab=0)
     cfg = TrainConfig(steps=60, lr=3e-3, anchors=16, eval_every=30, checkpoint_every=1e9, anchor_sampling="walk")
     trainer = fit(pipe.target, pipe.tokenizer, data_dir, tmp_path, spec, cfg)

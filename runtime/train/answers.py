@@ -24,8 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from runtime.train.data import encode_prompt, load_shard
 from runtime.train.generator import MUTATIONS, drop_evaluation_duplicates, merge_by_mix
-from runtime.train.prompts import LANGUAGES, TrainPrompt
+from runtime.train.prompt_list import TrainPrompt, read_prompts
+from runtime.train.prompts import LANGUAGES
 
 MIX: dict[str, float] = {
     "ans-follow-up": 0.22,
@@ -169,9 +171,6 @@ def read_answers(data_dir: Path, tokenizer: Any, skip_last: bool = True) -> list
     prompts that fitted the prompt-token limit, in order; the shards' recorded sources check the
     alignment (a shard that does not line up is skipped). Raw-completion prompts are left out.
     """
-    from runtime.train.api import read_prompts
-    from runtime.train.data import encode_prompt, load_shard
-
     limit = int(json.loads((data_dir / "dataset.json").read_text()).get("max_prompt_tokens", 512))
     kept = [p for p in read_prompts(data_dir) if 0 < len(encode_prompt(tokenizer, p.text, p.chat, p.messages)) <= limit]
     paths = sorted(data_dir.glob("shard-*.safetensors"))

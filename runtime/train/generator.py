@@ -35,13 +35,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from runtime.train.dedupe import evaluation_index, prompt_text
+from runtime.train.prompt_list import TrainPrompt
 from runtime.train.prompts import (
     _SKIP_DIRS,
     CHAT_TEMPLATES,
     LANGUAGES,
     OTHER_TEMPLATES,
     TASKS,
-    TrainPrompt,
     _defs,
     _lower_first,
     _raw_prefix,
@@ -421,8 +422,6 @@ def _build(
 def drop_evaluation_duplicates(pools: dict[str, list[TrainPrompt]]) -> dict[str, list[TrainPrompt]]:
     """``pools`` without prompts that duplicate an evaluation prompt (``runtime.train.dedupe``) or
     an earlier prompt of any pool."""
-    from runtime.train.dedupe import evaluation_index, prompt_text
-
     index = evaluation_index()
     seen: set[str] = set()
     out = {}

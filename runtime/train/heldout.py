@@ -6,7 +6,7 @@ library) or from the bench sets. Chat prompts go through the chat template; raw 
 
 from __future__ import annotations
 
-from runtime.train.prompts import TrainPrompt
+from runtime.train.prompt_list import TrainPrompt
 
 HELDOUT: list[TrainPrompt] = [
     TrainPrompt(

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from runtime.engine.draft_head import pointer_logits
+
 DEFAULT_CHUNK = 128  # rows per chunk: 128 x 24.5K float32 logits = 12.5 MB (fastest of 16..256 measured on 2 cores)
 
 
@@ -61,13 +63,13 @@ def _chunk_logits(
     extra: torch.Tensor | None,
 ) -> torch.Tensor:
     """float32 logits of rows ``s:e``: the head, the pointer's ``bonus`` at ``bonus_col`` and the
-    ``extra`` column N where given ([c, N] or [c, N + 1])."""
+    ``extra`` column N where given ([c, N] or [c, N + 1]; ``runtime.engine.draft_head.pointer_logits``,
+    as the decoder adds them)."""
     logits = (hh[s:e] @ head.T).float()
-    if bonus is not None and bonus_col is not None:
-        logits.scatter_add_(1, bonus_col[s:e, None], bonus[s:e, None].float())
-    if extra is not None:
-        logits = torch.cat([logits, extra[s:e, None].float()], 1)
-    return logits
+    col = bonus_col[s:e] if bonus_col is not None else None
+    return pointer_logits(
+        logits, col, bonus[s:e] if bonus is not None else None, extra[s:e] if extra is not None else None
+    )
 
 
 class _FusedHeadCE(torch.autograd.Function):

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from runtime.engine.models.drafter import DFlashDraftModel
 from runtime.engine.models.drafter_config import DraftModelConfig, default_target_layer_ids
+from runtime.engine.models.drafter_io import load_draft_model
+from runtime.engine.models.target import TargetModel, find_decoder_layers
+from runtime.errors import ConfigError
 from runtime.models.compat import target_dims
 
 
@@ -111,8 +115,6 @@ def init_drafter(
 
 def target_has_attention_bias(target_model: Any) -> bool:
     """Whether the target's attention q/k/v projections carry biases (Qwen2 does, Qwen3 does not)."""
-    from runtime.engine.models.target import find_decoder_layers
-
     attn = getattr(find_decoder_layers(target_model)[-1], "self_attn", None)
     q = getattr(attn, "q_proj", None)
     return getattr(q, "bias", None) is not None
@@ -152,8 +154,6 @@ def init_from_target(
     Returns:
         {"source_layers": [...], "copied": [...], "pruned": [...], "skipped": [...], "notes": [...]}.
     """
-    from runtime.engine.models.target import find_decoder_layers
-
     src_layers = find_decoder_layers(target_model)
     n_d = len(drafter.layers)
     ids = list(layer_ids) if layer_ids is not None else list(range(len(src_layers) - n_d, len(src_layers)))
@@ -209,3 +209,80 @@ def init_from_target(
         mlp.up_proj.weight.copy_(u.detach()[keep].to(mlp.up_proj.weight.dtype))
         mlp.down_proj.weight.copy_(dn.detach()[:, keep].to(mlp.down_proj.weight.dtype))
     return report
+
+
+def warm_start(
+    source: Path, target: TargetModel, data_taps: Sequence[int], num_layers: int | None = None
+) -> tuple[Any, dict[str, Any]]:
+    """An existing drafter as the starting point of a new run (fine-tuning on new data).
+
+    The drafter keeps its architecture and weights; only its draft vocabulary is chosen anew (the
+    layers do not depend on it: the head is the target's own lm_head restricted to the chosen ids),
+    with its own ids ranked first (``choose_draft_vocab``). ``num_layers`` above the source's grows
+    it: new layers are appended after the source's, each starting as the identity (zero o_proj and
+    down_proj, ``init_drafter``), so the grown drafter drafts exactly as the source before its first
+    update and training only adds capacity.
+
+    Raises:
+        ConfigError: the drafter does not fit the target (hidden size, vocabulary, layer count),
+            taps layers the dataset does not hold, or has more layers than ``num_layers``.
+    """
+    drafter = load_draft_model(source, "cpu", torch.float32)
+    n_source = len(drafter.layers)
+    if num_layers is not None and num_layers < n_source:
+        raise ConfigError(
+            f"--layers {num_layers} is fewer than drafter {source}'s {n_source}; a fine-tune can only add layers"
+        )
+    dc = drafter.config
+    problems = []
+    if dc.hidden_size != target.hidden_size:
+        problems.append(f"hidden size {dc.hidden_size} vs the target's {target.hidden_size}")
+    if dc.vocab_size != target.vocab_size:
+        problems.append(f"vocabulary {dc.vocab_size} vs the target's {target.vocab_size}")
+    n_target = dc.raw.get("num_target_layers")
+    if n_target is not None and int(n_target) != target.num_layers:
+        problems.append(f"made for a {n_target}-layer target, this one has {target.num_layers}")
+    if problems:
+        raise ConfigError(f"drafter {source} does not fit this target: " + "; ".join(problems))
+    taps = list(drafter.dflash.target_layer_ids)
+    missing = [t for t in taps if t not in data_taps]
+    if missing:
+        raise ConfigError(
+            f"drafter {source} taps layers {taps}; the dataset holds {list(data_taps)} (missing {missing}): "
+            "build the data with --taps " + ",".join(str(t) for t in taps)
+        )
+    if num_layers is not None and num_layers > n_source:  # only a drafter that fits is worth growing
+        drafter = grow_layers(drafter, num_layers)
+        dc = drafter.config
+    previous = dict(dc.raw.get("dflash_training") or {})
+    report = {
+        "source": str(Path(*Path(source).resolve().parts[-2:])),
+        "source_steps": previous.get("steps"),
+        "source_train_seconds": previous.get("train_seconds"),
+        "source_draft_vocab": int(drafter.draft_vocab_ids.numel()) if drafter.draft_vocab_ids is not None else None,
+    }
+    if len(drafter.layers) > n_source:
+        report["grown_from_layers"] = n_source
+        report["added_layers"] = len(drafter.layers) - n_source
+    # the draft vocabulary is chosen anew from this run's data, its own ids ranked first (choose_draft_vocab)
+    # the source's own record and measured acceptance describe another run: not carried over
+    dc.raw.pop("dflash_training", None)
+    dc.raw.pop("training", None)
+    if isinstance(dc.raw.get("dflash_config"), dict):
+        dc.raw["dflash_config"] = {k: v for k, v in dc.raw["dflash_config"].items() if k != "acceptance_conditional"}
+    return drafter, report
+
+
+def grow_layers(drafter: Any, num_layers: int, seed: int = 0) -> Any:
+    """``drafter`` with identity layers appended up to ``num_layers`` (see ``warm_start``)."""
+    cfg = dict(drafter.config.raw)
+    cfg["num_hidden_layers"] = num_layers
+    if isinstance(cfg.get("layer_types"), list) and cfg["layer_types"]:
+        cfg["layer_types"] = [*cfg["layer_types"], *[cfg["layer_types"][-1]] * (num_layers - len(cfg["layer_types"]))]
+    grown = init_drafter(cfg, seed=seed)
+    state = {k: v for k, v in drafter.state_dict().items() if k != "draft_vocab_ids"}
+    missing, unexpected = grown.load_state_dict(state, strict=False)
+    n_source = len(drafter.layers)
+    assert not unexpected and all(k.startswith("layers.") and int(k.split(".")[1]) >= n_source for k in missing)
+    grown.draft_vocab_ids = drafter.draft_vocab_ids
+    return grown

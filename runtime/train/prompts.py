@@ -18,8 +18,9 @@ import random
 import re
 import sysconfig
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
+
+from runtime.train.prompt_list import TrainPrompt
 
 _SKIP_DIRS = {
     "test",
@@ -131,28 +132,6 @@ OTHER_TEMPLATES = [
 ]
 
 
-@dataclass(frozen=True)
-class TrainPrompt:
-    """One prompt: ``chat`` prompts go through the chat template, raw ones are plain completions.
-
-    Attributes:
-        text: the (last) user turn, or the raw text to complete.
-        chat: apply the chat template.
-        source: ``kind:detail`` (the kind before the colon feeds the dataset's mix report).
-        messages: a whole conversation (multi-turn prompts); None: one user turn with ``text``.
-    """
-
-    text: str
-    chat: bool
-    source: str
-    messages: tuple[dict[str, str], ...] | None = None
-
-    @property
-    def kind(self) -> str:
-        """The prompt's kind (``source`` up to the first colon)."""
-        return self.source.split(":", 1)[0]
-
-
 def stdlib_files(root: Path | None = None) -> list[Path]:
     """Python files of the standard library, tests and GUI demos excluded, in sorted order."""
     base = Path(root or sysconfig.get_paths()["stdlib"])
@@ -229,30 +208,18 @@ def _raw_prefix(node: ast.AST, lines: list[str]) -> str | None:
     return text + "\n"
 
 
-def build_prompts(
-    seed: int = 0,
-    stdlib_root: Path | None = None,
-    max_prompts: int | None = None,
-    generator: str = "v2",
-    dedupe: bool = True,
+def build_prompts_v1(
+    seed: int = 0, stdlib_root: Path | None = None, max_prompts: int | None = None
 ) -> list[TrainPrompt]:
-    """All training prompts, shuffled deterministically.
+    """The v1 training prompts (stdlib docstrings, raw headers and the task list), shuffled
+    deterministically: datasets made before v2 record no generator and are extended with these
+    (``runtime.train.prompt_sources.build_prompts`` picks v1 or v2).
 
     Args:
         seed: shuffle and template seed.
         stdlib_root: stdlib folder (default: this interpreter's).
         max_prompts: cap on the number returned.
-        generator: "v2" (the broad mix of ``runtime.train.generator``, the default for new
-            datasets) or "v1" (stdlib docstrings, raw headers and the task list: datasets made
-            before v2 record no generator and are extended with v1).
-        dedupe: (v2) drop prompts that duplicate an evaluation prompt.
     """
-    if generator == "v2":
-        from runtime.train.generator import build_prompts_v2
-
-        return build_prompts_v2(seed=seed, stdlib_root=stdlib_root, max_prompts=max_prompts, dedupe=dedupe)
-    if generator != "v1":
-        raise ValueError(f"unknown prompt generator {generator!r} (v1 or v2)")
     rng = random.Random(seed)
     out: list[TrainPrompt] = []
     seen: set[str] = set()

@@ -27,7 +27,8 @@ from typing import Any
 import torch
 
 from runtime.train.generator import drop_evaluation_duplicates, merge_by_mix
-from runtime.train.prompts import LANGUAGES, TrainPrompt
+from runtime.train.prompt_list import TrainPrompt
+from runtime.train.prompts import LANGUAGES
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ The target's own choice at every position is stored with the features: ``topk_id
 argmax given the real text before it, ``topk_logp`` its top-k log-probabilities. A drafter block
 anchored at position ``a`` gets exact labels for as far as the text follows the target: slot 1's
 label is always the target's argmax after ``a``; slot k's only while the text's tokens ``a+1 ..
-a+k-1`` are the target's own choices (``runtime.train.trainer.build_batch`` drops the rest), so
+a+k-1`` are the target's own choices (``runtime.train.batching.build_batch`` drops the rest), so
 nothing is learnt that the target would not verify.
 
 Shards have the layout of ``runtime.train.data`` with ``labels: teacher-forced`` in their
@@ -31,7 +31,7 @@ import torch
 
 from runtime.engine.models.target import TargetModel
 from runtime.train.data import Progress, encode_prompt, write_shard
-from runtime.train.prompts import TrainPrompt
+from runtime.train.prompt_list import TrainPrompt
 
 LABELS_KEY = "labels"
 TEACHER_FORCED = "teacher-forced"

@@ -22,6 +22,9 @@ from typing import Any
 
 import torch
 
+from runtime.train.shards import ShardDataset
+from runtime.train.specs import DrafterSpec
+
 SIZES = (2048, 4096, 8192, 12288, 16384, 24576, 32768, 49152, 65536)
 ROUND = 512  # an auto size is rounded up to a multiple of this (matmul-friendly)
 
@@ -148,3 +151,53 @@ def vocab_ids(
     """The draft vocabulary: the first ``n`` ranked ids (``prior``, then the most frequent training
     answer tokens) plus ``always``, sorted."""
     return torch.tensor(sorted(_first_n(ranked_tokens(train_counts, prior), n, always)), dtype=torch.long)
+
+
+def choose_draft_vocab(
+    drafter: Any, train: ShardDataset, val: ShardDataset, spec: DrafterSpec, vocab_size: int, always: Sequence[int]
+) -> dict[str, Any]:
+    """Set ``drafter.draft_vocab_ids`` from ``spec.draft_vocab`` (N, 0 = full, or "auto") and return
+    the coverage report (OOV share on the held-out shard vs N, head cost; ``runtime.train.vocab``).
+    A drafter that already has a reduced vocabulary (a warm start) keeps its ids ranked first."""
+    train_counts = answer_counts(train)
+    held = answer_counts(val)
+    source = drafter.draft_vocab_ids
+    prior = source.tolist() if source is not None else []
+    layer_params = sum(p.numel() for p in drafter.layers.parameters())
+    report = coverage_report(
+        train_counts, held, vocab_size, drafter.config.hidden_size, layer_params, always=always, prior=prior
+    )
+    if spec.draft_vocab == "auto":
+        n = choose_size(train_counts, held, vocab_size, spec.max_oov, always, prior)
+        rule = f"auto: smallest N with held-out OOV share <= {spec.max_oov:.1%} (0 = full vocabulary)"
+    else:
+        n = int(spec.draft_vocab)
+        rule = "given" if n else "full vocabulary"
+    drafter.draft_vocab_ids = vocab_ids(train_counts, n, always, prior) if n else None
+    chosen = int(drafter.draft_vocab_ids.numel()) if n else vocab_size
+    report["chosen"] = {
+        "n": chosen,
+        "full": not n,
+        "rule": rule,
+        "oov_share": round(oov_share(ranked_tokens(train_counts, prior), held, chosen, always), 5) if n else 0.0,
+    }
+    return report
+
+
+class DraftVocab:
+    """Map full-vocab labels to draft-vocab indices (-100 for ids outside the draft vocab)."""
+
+    def __init__(self, ids: torch.Tensor | None, vocab_size: int) -> None:
+        self.ids = ids
+        if ids is not None:
+            self.lookup = torch.full((vocab_size,), -100, dtype=torch.long)
+            self.lookup[ids] = torch.arange(ids.numel())
+
+    def map(self, labels: torch.Tensor) -> torch.Tensor:
+        """Labels as indices into the draft head."""
+        if self.ids is None:
+            return labels
+        out = torch.full_like(labels, -100)
+        ok = labels >= 0
+        out[ok] = self.lookup[labels[ok]]
+        return out
