@@ -20,6 +20,7 @@ from runtime.engine.events import DecodeEvent, Finished, GenerationStats, Prefil
 
 from . import editors as E
 from . import protocol as P
+from . import responses as R
 from .errors import error_response, runtime_error
 from .memory import TRIM_AFTER_BYTES, release_free_memory
 from .queue import Job, QueueFullError
@@ -148,7 +149,7 @@ class OpenAIRoutes(ServerState):
     async def _complete(
         self, req: P.ParsedRequest, job: Job, first: DecodeEvent, events: AsyncIterator[DecodeEvent], endpoint: str
     ) -> Response:
-        rid, created = P.new_id(req.kind), P.now()
+        rid, created = R.new_id(req.kind), R.now()
         text: list[str] = []
         done: Finished | None = None
         event = first
@@ -170,13 +171,13 @@ class OpenAIRoutes(ServerState):
             self.metrics.request(endpoint, 499)
             return Response(status_code=499)
         self.metrics.request(endpoint, 200)
-        body = P.response(req, rid, created, "".join(text), done.reason, done.stats, job.timing())
+        body = R.response(req, rid, created, "".join(text), done.reason, done.stats, job.timing())
         return JSONResponse(body)
 
     async def _sse(
         self, req: P.ParsedRequest, job: Job, first: DecodeEvent, events: AsyncIterator[DecodeEvent]
     ) -> AsyncIterator[str]:
-        rid, created = P.new_id(req.kind), P.now()
+        rid, created = R.new_id(req.kind), R.now()
         stats: GenerationStats | None = None
 
         def line(obj: dict[str, Any]) -> str:
@@ -188,10 +189,10 @@ class OpenAIRoutes(ServerState):
                 if isinstance(event, Finished):
                     stats = event.stats
                     ext = {**event_to_json(event), "queue": job.timing()}
-                    yield line(P.chunk(req, rid, created, None, P.FINISH.get(event.reason, "stop"), ext))
+                    yield line(R.chunk(req, rid, created, None, R.FINISH.get(event.reason, "stop"), ext))
                 else:
                     role = isinstance(event, PrefillDone)
-                    yield line(P.chunk(req, rid, created, event.text, None, event_to_json(event), role=role))
+                    yield line(R.chunk(req, rid, created, event.text, None, event_to_json(event), role=role))
                 try:
                     event = await events.__anext__()
                 except StopAsyncIteration:
@@ -207,5 +208,5 @@ class OpenAIRoutes(ServerState):
         finally:
             job.cancel.cancel()
         if stats is not None and req.include_usage:
-            yield line(P.usage_chunk(req, rid, created, stats))
+            yield line(R.usage_chunk(req, rid, created, stats))
         yield "data: [DONE]\n\n"

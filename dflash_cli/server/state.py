@@ -19,6 +19,7 @@ from . import protocol as P
 from .config import ServeConfig
 from .metrics import ServerMetrics
 from .queue import GenerationQueue, Job
+from .responses import now
 
 
 class ServerState:
@@ -33,7 +34,7 @@ class ServerState:
         self.config = config
         self.metrics = ServerMetrics()
         self.queue: GenerationQueue | None = None
-        self.created = P.now()
+        self.created = now()
 
     def _auth(self, request: Request) -> None:
         key = self.config.api_key
