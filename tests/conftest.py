@@ -38,6 +38,53 @@ def tiny_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return save_pair(tmp_path_factory.mktemp("pair"), block_size=4)
 
 
+@pytest.fixture
+def pair_copy(tiny_pair: tuple[Path, Path], tmp_path: Path) -> tuple[Path, Path]:
+    """A private copy of ``tiny_pair`` in this test's folder, for a test that changes its files."""
+    import shutil
+
+    t, d = tiny_pair
+    return shutil.copytree(t, tmp_path / "pair" / "target"), shutil.copytree(d, tmp_path / "pair" / "drafter")
+
+
+@pytest.fixture(scope="session")
+def fim_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The tiny pair with Qwen's fill-in-the-middle tokens in its tokenizer (``save_pair(fim="qwen")``)."""
+    from tests.fakes import save_pair
+
+    return save_pair(tmp_path_factory.mktemp("fimpair"), block_size=4, fim="qwen")
+
+
+@pytest.fixture(scope="session")
+def answers_data(tiny_pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A generated training dataset of ``tiny_pair``'s target answers (taps 1-3, 16 prompts of 12
+    tokens): (target_dir, data_dir). Read it only; a test that changes it copies it first."""
+    from runtime import ModelRef, RuntimeConfig, load_pipeline
+    from runtime.train.api import DataSpec, prepare_data
+
+    target_dir = tiny_pair[0]
+    pipe = load_pipeline(ModelRef(target=str(target_dir), drafter="none"), RuntimeConfig(dtype="float32"))
+    data = tmp_path_factory.mktemp("answers-data") / "v2"
+    spec = DataSpec(num_prompts=16, max_new_tokens=12, batch_size=8)
+    prepare_data(pipe.target, pipe.tokenizer, data, [1, 2, 3], spec, pipe.stop_token_ids)
+    return target_dir, data
+
+
+@pytest.fixture(scope="session")
+def pair_data(tiny_pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    """``tiny_pair`` and a dataset of its target's answers (taps 1, 2; 12 prompts of 32 tokens), as
+    ``fakes.pair_with_data`` builds them: (target_dir, drafter_dir, data_dir). Read them only."""
+    from runtime import ModelRef, RuntimeConfig, load_pipeline
+    from runtime.train.api import DataSpec, prepare_data
+
+    target_dir, drafter_dir = tiny_pair
+    pipe = load_pipeline(ModelRef(target=str(target_dir), drafter="none"), RuntimeConfig(dtype="float32"))
+    data = tmp_path_factory.mktemp("pair-data") / "data"
+    spec = DataSpec(num_prompts=12, max_new_tokens=32, batch_size=4)
+    prepare_data(pipe.target, pipe.tokenizer, data, [1, 2], spec, pipe.stop_token_ids)
+    return target_dir, drafter_dir, data
+
+
 class ServePool:
     """`dflash serve` subprocesses shared by the test session, started on first use (several at once
     in parallel) and stopped with Ctrl-C at its end."""

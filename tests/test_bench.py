@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from dflash_cli.app import app
 from runtime.errors import ConfigError, IncompatibleDraftError, InputError
-from tests.fakes import CHATML, make_target, make_tokenizer, save_pair
+from tests.fakes import CHATML, make_target, make_tokenizer
 
 runner = CliRunner()
 THINKING_CHATML = "{% if enable_thinking %}<think>{% endif %}" + CHATML
@@ -24,11 +24,11 @@ def bench(*args: str, input: str | None = None):
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def models(tiny_pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A tiny target + drafter (trained-length metadata of 24 tokens), a same-tokenizer assistant and
     a model with another tokenizer."""
     root = tmp_path_factory.mktemp("bench-models")
-    target, drafter = save_pair(root, block_size=4)
+    target, drafter = shutil.copytree(tiny_pair[0], root / "target"), shutil.copytree(tiny_pair[1], root / "drafter")
     cfg = json.loads((drafter / "config.json").read_text())
     cfg["training"] = {"max_len": 24, "dtype": "bfloat16"}
     (drafter / "config.json").write_text(json.dumps(cfg))

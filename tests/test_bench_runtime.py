@@ -1,4 +1,4 @@
-"""runtime.bench.runner / runtime.bench.datasets / runtime.bench.store without the CLI: acceptance statistics with
+"""runtime.bench (runner, summary, config) / runtime.bench.datasets / runtime.bench.store without the CLI: acceptance statistics with
 oracle and adversarial drafters, the measuring protocol, divergence reports, pitfalls, prompt sets."""
 
 from __future__ import annotations
@@ -11,20 +11,14 @@ import torch
 
 from runtime import DecodeOptions, LoadOptions, ModelRef, RuntimeConfig, load_pipeline
 from runtime.bench import runner as bench_mod
+from runtime.bench.config import BenchConfig, MethodSpec
 from runtime.bench.datasets import DATASETS, Prompt, PromptSet, load_dataset, load_prompt_file
 from runtime.bench.methods import PromptRun
-from runtime.bench.runner import (
-    BenchConfig,
-    MethodSpec,
-    drafter_dtype,
-    drafter_training_length,
-    encode_prompt,
-    find_pitfalls,
-    first_divergence,
-    run_bench,
-    summarise,
-)
+from runtime.bench.pitfalls import drafter_dtype, drafter_training_length, find_pitfalls
+from runtime.bench.results import MethodResult
+from runtime.bench.runner import encode_prompt, run_bench
 from runtime.bench.store import BenchStore, compare_runs
+from runtime.bench.summary import first_divergence, summarise
 from runtime.engine.acceptance import AcceptanceCounts
 from runtime.errors import ConfigError, InputError
 from tests.fakes import OracleDecoder
@@ -142,7 +136,7 @@ def test_divergence_is_reported_at_the_first_differing_token():
 
 def result(name, method, speedup, tau=1.2):
     base = summarise(MethodSpec(name, method, None), [run_of([1, 2])], None, None, False, ["p"])
-    return bench_mod.MethodResult(**{**base.__dict__, "speedup": speedup, "tau": tau})
+    return MethodResult(**{**base.__dict__, "speedup": speedup, "tau": tau})
 
 
 def test_pitfalls_each_with_a_fix():

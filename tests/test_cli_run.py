@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from dflash_cli.app import app
 from runtime.errors import ConfigError, IncompatibleDraftError, ModelLoadError, ModelNotFoundError
-from tests.fakes import drafter_config_dict, save_pair
+from tests.fakes import drafter_config_dict
 
 runner = CliRunner()
 
@@ -78,8 +78,8 @@ def test_empty_prompt_is_a_usage_error(pair_args):
     assert "prompt is empty" in r.stderr and r.stdout == ""
 
 
-def test_prompt_longer_than_context(tmp_path):
-    t, d = save_pair(tmp_path, block_size=4)
+def test_prompt_longer_than_context(pair_copy):
+    t, d = pair_copy
     cfg = json.loads((t / "config.json").read_text())
     cfg["max_position_embeddings"] = 16
     (t / "config.json").write_text(json.dumps(cfg))
@@ -100,8 +100,8 @@ def test_unknown_preset():
 
 
 @pytest.mark.parametrize("field,value,needle", [("hidden_size", 32, "hidden size"), ("vocab_size", 999, "vocab")])
-def test_drafter_for_another_target(tmp_path, field, value, needle):
-    t, d = save_pair(tmp_path, block_size=4)
+def test_drafter_for_another_target(pair_copy, field, value, needle):
+    t, d = pair_copy
     cfg = json.loads((d / "config.json").read_text())
     cfg[field] = value
     (d / "config.json").write_text(json.dumps(cfg))
@@ -110,8 +110,8 @@ def test_drafter_for_another_target(tmp_path, field, value, needle):
     assert needle in r.stderr and "dflash train" in r.stderr
 
 
-def test_drafter_layer_ids_beyond_target(tmp_path):
-    t, d = save_pair(tmp_path, block_size=4)
+def test_drafter_layer_ids_beyond_target(pair_copy):
+    t, d = pair_copy
     cfg = json.loads((d / "config.json").read_text())
     cfg["dflash_config"]["target_layer_ids"] = [1, 9]
     (d / "config.json").write_text(json.dumps(cfg))
@@ -120,8 +120,8 @@ def test_drafter_layer_ids_beyond_target(tmp_path):
 
 
 @pytest.mark.parametrize("which", ["target", "drafter"])
-def test_truncated_safetensors(tmp_path, which):
-    t, d = save_pair(tmp_path, block_size=4)
+def test_truncated_safetensors(pair_copy, which):
+    t, d = pair_copy
     f = (t if which == "target" else d) / "model.safetensors"
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     r = run(["--target", str(t), "--drafter", str(d), "hi"], input="")
@@ -130,8 +130,8 @@ def test_truncated_safetensors(tmp_path, which):
 
 
 @pytest.mark.parametrize("which", ["target", "drafter"])
-def test_missing_safetensors(tmp_path, which):
-    t, d = save_pair(tmp_path, block_size=4)
+def test_missing_safetensors(pair_copy, which):
+    t, d = pair_copy
     ((t if which == "target" else d) / "model.safetensors").unlink()
     r = run(["--target", str(t), "--drafter", str(d), "hi"], input="")
     assert r.exit_code == ModelLoadError.exit_code and "safetensors" in r.stderr
@@ -214,11 +214,11 @@ def test_unsupported_architecture_names_it():
         TargetModel(Odd())
 
 
-def test_chat_mode_turns_thinking_off(tmp_path):
+def test_chat_mode_turns_thinking_off(pair_copy):
     """Qwen3-style templates get enable_thinking=False (the published drafters were trained without it)."""
     from runtime import ModelRef, RuntimeConfig, load_pipeline
 
-    t, d = save_pair(tmp_path, block_size=4)
+    t, d = pair_copy
     cfg = json.loads((t / "tokenizer_config.json").read_text())
     template = (
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -235,7 +235,7 @@ def test_chat_mode_turns_thinking_off(tmp_path):
     assert raw == "hi"
 
 
-def test_ctrl_c_keeps_partial_output_and_exits_130(tmp_path):
+def test_ctrl_c_keeps_partial_output_and_exits_130(pair_copy):
     """A real process: SIGINT mid-generation stops after the current step, exit code 130."""
     import os
     import signal
@@ -246,7 +246,7 @@ def test_ctrl_c_keeps_partial_output_and_exits_130(tmp_path):
 
     from tests.fakes import make_target
 
-    t, d = save_pair(tmp_path, block_size=4)
+    t, d = pair_copy
     model = make_target(
         "qwen3", vocab_size=json.loads((t / "config.json").read_text())["vocab_size"], max_position_embeddings=40000
     )
@@ -289,8 +289,8 @@ def test_ctrl_c_keeps_partial_output_and_exits_130(tmp_path):
 
 # -- fill in the middle (--suffix) ----------------------------------------------------------------
 @pytest.fixture(scope="module")
-def fim_pair_args(tmp_path_factory):
-    t, d = save_pair(tmp_path_factory.mktemp("fim"), block_size=4, fim="qwen")
+def fim_pair_args(fim_pair):
+    t, d = fim_pair
     return ["--target", str(t), "--drafter", str(d), "--dtype", "float32", "-n", "8"], t
 
 

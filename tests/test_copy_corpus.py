@@ -253,10 +253,10 @@ def test_new_corpus_rows_start_from_the_one_gram_row(pair):
     assert all(torch.equal(d.copy_scale[r], d.copy_scale[1]) for r in range(5, 11))
 
 
-def test_cli_trains_resumes_and_exports_a_corpus(tmp_path):
+def test_cli_trains_resumes_and_exports_a_corpus(tmp_path, pair_data):
     """``dflash train --copy-corpus 2,3`` on a tiny target: the drafter ships its table, the card
     says so, a resume keeps it, and ``dflash run`` with it equals plain decoding."""
-    target_dir, source, data = pair_with_data(tmp_path)
+    target_dir, source, data = pair_data
     out = tmp_path / "run"
     base = ["train", "--target", str(target_dir), "--data", str(data), "--out", str(out), "--no-eval"]
     base += ["--no-ood-eval", "--dtype", "float32", "--anchors", "8", "--draft-vocab", "full"]

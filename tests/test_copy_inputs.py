@@ -241,13 +241,11 @@ def test_copy_ngram_round_trips_and_is_validated(pair, tmp_path):
 @pytest.mark.parametrize(
     ("flags", "ngram"), [(["--copy-inputs"], (1, 4)), (["--copy-ngram", "2,6", "--copy-lr", "0.02"], (2, 6))]
 )
-def test_cli_trains_resumes_and_exports_copy_inputs(tmp_path, flags, ngram):
+def test_cli_trains_resumes_and_exports_copy_inputs(tmp_path, flags, ngram, pair_data):
     """``dflash train --copy-inputs`` (or ``--copy-ngram``) on a tiny target: the exported drafter has
     trained copy scales, the card says so, a resume keeps them, and the drafter runs losslessly in
     ``dflash run``."""
-    from tests.fakes import pair_with_data
-
-    target_dir, source, data = pair_with_data(tmp_path)
+    target_dir, source, data = pair_data
     out = tmp_path / "run"
     base = ["train", "--target", str(target_dir), "--data", str(data), "--out", str(out), "--no-eval"]
     base += ["--no-ood-eval", "--dtype", "float32", "--anchors", "8", "--draft-vocab", "full"]

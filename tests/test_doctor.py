@@ -143,15 +143,15 @@ def test_without_a_model_it_checks_the_embedded_pair(pair, monkeypatch):
 
 
 def test_memory_shortage_fails_with_the_oom_exit_code(pair, monkeypatch):
-    from runtime import doctor as doctor_module
+    from runtime.doctor import memory as doctor_memory
 
     t, d = pair
-    monkeypatch.setattr(doctor_module, "device_memory", lambda device: (2_000_000, 1_000_000))
+    monkeypatch.setattr(doctor_memory, "device_memory", lambda device: (2_000_000, 1_000_000))
     code, checks = doctor("--target", str(t), "--drafter", str(d), *CPU)
     assert code == 6
     assert checks["memory"]["status"] == "fail" and "--quantize" in checks["memory"]["fix"]
 
-    monkeypatch.setattr(doctor_module, "device_memory", lambda device: (10**12, 1_000_000))
+    monkeypatch.setattr(doctor_memory, "device_memory", lambda device: (10**12, 1_000_000))
     code, checks = doctor("--target", str(t), "--drafter", str(d), *CPU)
     assert code == 0 and checks["memory"]["status"] == "warn"
 

@@ -541,7 +541,8 @@ def test_an_unexpected_exception_is_a_counted_500_without_a_traceback(capfd):
         def describe(self):
             raise RuntimeError("boom")
 
-    from dflash_cli.server.app import ServeConfig, create_app
+    from dflash_cli.server.app import create_app
+    from dflash_cli.server.config import ServeConfig
     from tests.http_helpers import ThreadServer
 
     srv = ThreadServer(create_app(Broken(ScriptedDecoder(BLOCKS)), ServeConfig(model_names=("scripted",))))

@@ -17,7 +17,9 @@ from typer.testing import CliRunner
 
 from dflash_cli.app import app as cli_app
 from runtime import SamplingParams
-from runtime.client.remote import RemoteBackend, RemoteError, parse_prometheus
+from runtime.client.flavours import parse_prometheus
+from runtime.client.http import RemoteError
+from runtime.client.remote import RemoteBackend
 from runtime.engine.events import BlockVerified, Finished, PrefillDone, TokenStatus
 from tests.http_helpers import ThreadServer, free_port
 

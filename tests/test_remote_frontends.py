@@ -20,7 +20,8 @@ import tui
 from dflash_cli.app import app
 from dflash_cli.commands import chat as chat_cmd
 from dflash_cli.common import usage_log_path
-from dflash_cli.server.app import ServeConfig, create_app
+from dflash_cli.server.app import create_app
+from dflash_cli.server.config import ServeConfig
 from runtime import DecodeOptions, LoadOptions, ModelRef, RuntimeConfig, SamplingParams, load_pipeline
 from runtime.engine.events import Finished
 from runtime.models.store import UsageLog

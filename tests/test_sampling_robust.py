@@ -123,7 +123,8 @@ def test_run_with_a_tiny_temperature_is_greedy(tiny_pair):
 
 @pytest.fixture(scope="module")
 def tiny_server(tiny_pair):
-    from dflash_cli.server.app import ServeConfig, create_app
+    from dflash_cli.server.app import create_app
+    from dflash_cli.server.config import ServeConfig
     from runtime import ModelRef, RuntimeConfig, load_pipeline
     from tests.http_helpers import ThreadServer
 

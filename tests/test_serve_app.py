@@ -10,7 +10,8 @@ import urllib.request
 
 import pytest
 
-from dflash_cli.server.app import ServeConfig, create_app
+from dflash_cli.server.app import create_app
+from dflash_cli.server.config import ServeConfig
 from dflash_cli.server.protocol import Limits
 from runtime.backend import Capabilities
 from tests.fakes import ScriptedDecoder

@@ -13,7 +13,8 @@ import urllib.request
 
 import pytest
 
-from dflash_cli.server.app import ServeConfig, create_app
+from dflash_cli.server.app import create_app
+from dflash_cli.server.config import ServeConfig
 from runtime import fim
 from runtime.backend import Capabilities
 from tests.fakes import ScriptedDecoder, make_tokenizer
@@ -246,11 +247,10 @@ def test_v1_completions_with_suffix_is_fill_in_the_middle(tok):
     assert status == 400 and body["error"]["param"] == "suffix" and "fill-in-the-middle" in body["error"]["message"]
 
 
-def test_real_pair_infill_and_completion(tmp_path_factory):
+def test_real_pair_infill_and_completion(fim_pair):
     from runtime import ModelRef, RuntimeConfig, load_pipeline
-    from tests.fakes import save_pair
 
-    t, d = save_pair(tmp_path_factory.mktemp("fimpair"), block_size=4, fim="qwen")
+    t, d = fim_pair
     pipe = load_pipeline(ModelRef(target=str(t), drafter=str(d)), RuntimeConfig(device="cpu", dtype="float32"))
     with ThreadServer(create_app(pipe, ServeConfig(model_names=("tiny",)))) as srv:
         status, body = post(srv.url + "/infill", {"input_prefix": PREFIX, "input_suffix": SUFFIX, "n_predict": 6,
@@ -267,14 +267,13 @@ def test_real_pair_infill_and_completion(tmp_path_factory):
         assert "".join(c["content"] for c in chunks) == body["content"]
 
 
-def test_real_pair_llama_vim_sequence_reads_only_the_edited_tail(tmp_path_factory):
+def test_real_pair_llama_vim_sequence_reads_only_the_edited_tail(fim_pair):
     """llama.vim: warm the cache with ``n_predict: 0`` when a file opens, then one completion per
     keystroke on the same file: each request after the first reads only what changed, and a cached
     request answers what an uncached one does."""
     from runtime import ModelRef, RuntimeConfig, load_pipeline
-    from tests.fakes import save_pair
 
-    t, d = save_pair(tmp_path_factory.mktemp("fimcache"), block_size=4, fim="qwen")
+    t, d = fim_pair
     pipe = load_pipeline(ModelRef(target=str(t), drafter=str(d)), RuntimeConfig(device="cpu", dtype="float32"))
     before = "import os\nimport sys\n\n\ndef main(argv):\n    path = os.getcwd()\n"
     after = "\n\nif __name__ == '__main__':\n    main(sys.argv)\n"

@@ -11,11 +11,9 @@ import torch
 from typer.testing import CliRunner
 
 from dflash_cli.app import app
-from runtime import ModelRef, RuntimeConfig, load_pipeline
 from runtime.train.answers import MIX, build_prompts_from_answers, code_blocks, read_answers
-from runtime.train.api import DataSpec, prepare_data
 from runtime.train.data import encode_prompt, write_shard
-from tests.fakes import make_target, make_tokenizer
+from tests.fakes import make_tokenizer
 
 GO = "func add(a int, b int) int {\n    if a < 0 {\n        return b\n    }\n    return a + b\n}"
 RUST = "fn clamp(x: i32) -> i32 {\n    if x < 0 {\n        return 0;\n    }\n    x\n}"
@@ -103,24 +101,12 @@ def test_prompts_from_answers_kinds_code_and_follow_ups(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("answers")
-    target_dir = root / "target"
-    target_dir.mkdir()
-    tok = make_tokenizer(target_dir)
-    model = make_target("qwen3", vocab_size=len(tok) + 8, seed=0, eos_token_id=tok.eos_token_id)
-    model.save_pretrained(str(target_dir))
-    pipe = load_pipeline(ModelRef(target=str(target_dir), drafter="none"), RuntimeConfig(dtype="float32"))
-    data = root / "v2"
-    prepare_data(
-        pipe.target,
-        pipe.tokenizer,
-        data,
-        [1, 2, 3],
-        DataSpec(num_prompts=16, max_new_tokens=12, batch_size=8),
-        pipe.stop_token_ids,
-    )
-    src = _answered_dataset(root / "src", tok, REPLIES * 2, hidden=pipe.target.hidden_size, taps=(1, 2, 3))
+def tiny(answers_data, tmp_path_factory):
+    """The tiny pair's target, the shared dataset of its answers and a dataset of answered requests."""
+    target_dir, data = answers_data
+    tok = make_tokenizer()  # the tokenizer save_pair gives the target
+    hidden = json.loads((target_dir / "config.json").read_text())["hidden_size"]
+    src = _answered_dataset(tmp_path_factory.mktemp("answers") / "src", tok, REPLIES * 2, hidden=hidden, taps=(1, 2, 3))
     return target_dir, data, src
 
 

@@ -125,12 +125,10 @@ def test_two_trainers_started_together_one_wins(tiny_pair, tmp_path):
 
 # -- defect 8: --resume with a damaged run folder -----------------------------------------------------
 @pytest.fixture(scope="module")
-def run_folder(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+def run_folder(tiny_pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A real run folder trained for 2 steps on the tiny pair's target: (target, run folder)."""
-    from tests.fakes import save_pair
-
     root = tmp_path_factory.mktemp("run")
-    target, _ = save_pair(root / "pair", block_size=4)
+    target = tiny_pair[0]
     out = root / "run"
     args = ["train", "--target", str(target), "--out", str(out), "--prompts", "8", "--answer-tokens", "8"]
     args += ["--gen-batch", "2", "--steps", "2", "--block-size", "4", "--anchors", "4", "--draft-vocab", "full"]

@@ -17,7 +17,7 @@ from runtime.train.api import DataSpec, prepare_data
 from runtime.train.data import dataset_summary, load_shard
 from runtime.train.text import build_text_prompts, encode_text
 from runtime.train.trainer import build_batch
-from tests.fakes import make_target, make_tokenizer, one_line
+from tests.fakes import one_line
 
 SOURCES = {
     "pkg/util.py": "\n".join(f"def f{i}(x):\n    y = x + {i}\n    return y * 2\n" for i in range(12)),
@@ -76,18 +76,11 @@ def test_teacher_forced_blocks_stop_labelling_where_the_text_leaves_the_target()
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("text")
-    target_dir = root / "target"
-    target_dir.mkdir()
-    tok = make_tokenizer(target_dir)
-    model = make_target("qwen3", vocab_size=len(tok) + 8, seed=0, eos_token_id=tok.eos_token_id)
-    model.save_pretrained(str(target_dir))
+def tiny(answers_data, tmp_path_factory):
+    """The tiny pair's target (loaded), the shared dataset of its answers and source files."""
+    target_dir, v2 = answers_data
     pipe = load_pipeline(ModelRef(target=str(target_dir), drafter="none"), RuntimeConfig(dtype="float32"))
-    v2 = root / "v2"
-    spec = DataSpec(num_prompts=16, max_new_tokens=12, batch_size=8)
-    prepare_data(pipe.target, pipe.tokenizer, v2, [1, 2, 3], spec, pipe.stop_token_ids)
-    return target_dir, pipe, v2, _sources(root / "src")
+    return target_dir, pipe, v2, _sources(tmp_path_factory.mktemp("text") / "src")
 
 
 def test_text_dataset_labels_are_the_targets_argmax_on_the_text(tiny, tmp_path):

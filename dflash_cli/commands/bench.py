@@ -229,8 +229,8 @@ def bench(
     if llama_infill:
         raise typer.BadParameter("--llama-infill measures /infill: it goes with --dataset fim")
     max_tokens = 128 if max_tokens is None else max_tokens
+    from runtime.bench.config import BenchConfig
     from runtime.bench.datasets import load_dataset, load_prompt_file
-    from runtime.bench.runner import BenchConfig
     from runtime.bench.store import BenchStore
     from runtime.errors import ConfigError, DFlashError
 
@@ -288,7 +288,8 @@ def bench(
         remote_specs(config, backend.flavour)  # refuse what the server cannot run before any request
         result = _run_with_progress(lambda progress: run_bench_remote(backend, prompt_set, config, progress))
     else:
-        from runtime.bench.runner import load_assistant, run_bench
+        from runtime.bench.methods import load_assistant
+        from runtime.bench.runner import run_bench
 
         session = session_options(
             model, target, drafter, device, dtype, offline, revision, quantize, threads, engine=engine

@@ -49,7 +49,8 @@ def doctor(
     ] = False,
 ) -> None:
     """Check that this machine can run a pair (the embedded one by default) and print fixes."""
-    from runtime.doctor import exit_code, run_doctor
+    from runtime.doctor.report import exit_code
+    from runtime.doctor.run import run_doctor
 
     opts = session_options(model, target, drafter, device, dtype, offline=True, revision=revision)
     speed_file = state_dir() / "speed.json"

@@ -285,7 +285,8 @@ def _serve_local(
 
     from runtime import DecodeOptions
 
-    from ..server.app import DFlashServer, ServeConfig
+    from ..server.app import DFlashServer
+    from ..server.config import ServeConfig
     from ..server.protocol import Limits
 
     pipe = open_pipeline(session)

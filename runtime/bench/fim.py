@@ -257,7 +257,7 @@ class InfillClient:
     """
 
     def __init__(self, url: str, label: str, api_key: str | None = None, timeout: float = 600.0) -> None:
-        from runtime.client.remote import normalize_url
+        from runtime.client.http import normalize_url
 
         self.url = normalize_url(url)
         self.label = label
@@ -273,7 +273,7 @@ class InfillClient:
         """
         import httpx
 
-        from runtime.client.remote import RemoteError
+        from runtime.client.http import RemoteError
 
         body = {
             "input_prefix": prefix,
@@ -345,7 +345,7 @@ class InfillClient:
 
 def _sse_objects(lines: Iterator[str], where: str) -> Iterator[dict[str, Any]]:
     """The JSON objects of a server-sent event stream (``data: {...}`` lines)."""
-    from runtime.client.remote import RemoteError
+    from runtime.client.http import RemoteError
 
     for line in lines:
         if not line.startswith("data:"):

@@ -20,17 +20,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from runtime.bench.config import BenchConfig, MethodSpec
 from runtime.bench.datasets import Prompt, PromptMode, PromptSet
 from runtime.bench.methods import PromptRun, count_events
-from runtime.bench.runner import (
-    BenchConfig,
-    BenchResult,
-    MethodSpec,
-    Progress,
-    find_pitfalls,
-    summarise,
-    timed_protocol,
-)
+from runtime.bench.pitfalls import find_pitfalls
+from runtime.bench.protocol import Progress, timed_protocol
+from runtime.bench.results import BenchResult
+from runtime.bench.summary import summarise
 from runtime.config import DecodeOptions, SamplingParams
 from runtime.engine.events import Finished, PrefillDone
 from runtime.errors import ConfigError, InputError
