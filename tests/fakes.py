@@ -284,17 +284,21 @@ def _oracle(target: Any, drafter: Any, block_size: int | None, kw: dict[str, Any
     return OracleProposer(target, drafter, block, **{k: kw.pop(k) for k in keys if k in kw})
 
 
-def OracleDecoder(target: Any, drafter: Any, block_size: int | None = None, **kw: Any) -> Any:  # noqa: N802
+def OracleDecoder(  # noqa: N802
+    target: Any, drafter: Any, tokenizer: Any = None, *, block_size: int | None = None, **kw: Any
+) -> Any:
     """A chain decoder whose drafts come from ``OracleProposer`` (arguments: ``chain_decoder``'s and
     the oracle's)."""
     proposer = _oracle(target, drafter, block_size, kw)
-    return chain_decoder(target, drafter, block_size=block_size, proposer=proposer, **kw)
+    return chain_decoder(target, drafter, tokenizer, block_size=block_size, proposer=proposer, **kw)
 
 
-def TreeOracleDecoder(target: Any, drafter: Any, block_size: int | None = None, **kw: Any) -> Any:  # noqa: N802
+def TreeOracleDecoder(  # noqa: N802
+    target: Any, drafter: Any, tokenizer: Any = None, *, block_size: int | None = None, **kw: Any
+) -> Any:
     """A tree decoder whose per-slot distributions come from ``OracleProposer``."""
     proposer = _oracle(target, drafter, block_size, kw)
-    return tree_decoder(target, drafter, block_size=block_size, proposer=proposer, **kw)
+    return tree_decoder(target, drafter, tokenizer, block_size=block_size, proposer=proposer, **kw)
 
 
 def best_first_tree(

@@ -247,7 +247,7 @@ def test_tiny_pair_in_bf16_dflash_equals_plain_greedy(tiny_pair, path, monkeypat
 def test_doctor_shows_the_choice_and_the_times(tmp_path, monkeypatch):
     """`dflash doctor` (after --speed, or any bf16 load) shows the chosen path and the measured times."""
     from runtime import LoadOptions, ModelRef, RuntimeConfig
-    from runtime.doctor import run_doctor
+    from runtime.doctor.run import run_doctor
     from runtime.engine.models.kernels.choice import machine_key
 
     file = tmp_path / "kernel-choice.json"

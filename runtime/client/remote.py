@@ -126,7 +126,7 @@ class RemoteBackend(HttpTransport):
             ConfigError: options other than the defaults on a server that is not dflash serve.
         """
         flavour = self.flavour
-        if flavour != "dflash" and opts != DecodeOptions():
+        if flavour != "dflash" and _shapes_decoding(opts):
             raise ConfigError(
                 f"--decoder/--block-size/--verify-length are set when a {flavour} server starts, "
                 "not per request; only dflash serve takes them per request"
@@ -215,7 +215,7 @@ class RemoteBackend(HttpTransport):
             body["ignore_eos"] = True
         opts = opts or DecodeOptions()
         self.check_decode_options(opts)
-        if opts != DecodeOptions():
+        if _shapes_decoding(opts):
             body["dflash"] = {
                 "decoder": opts.decoder,
                 "block_size": opts.block_size,
@@ -354,3 +354,12 @@ def _chunk_text(chunk: dict[str, Any], chat: bool) -> str:
         delta = c.get("delta") or c.get("message") or {}
         return str(delta.get("content") or "") if isinstance(delta, dict) else ""
     return str(c.get("text") or "")
+
+
+def _shapes_decoding(opts: DecodeOptions) -> bool:
+    """Whether ``opts`` ask for a decoder, block, verify length, tree or lookup of their own: what a
+    dflash server takes per request and other servers only at start. (The confidence cut and the
+    prompt cache are the serving process's business.)"""
+    d = DecodeOptions()
+    asked = (opts.decoder, opts.block_size, opts.verify_length, opts.tree_budget, opts.lookup)
+    return asked != (d.decoder, d.block_size, d.verify_length, d.tree_budget, d.lookup)
