@@ -217,8 +217,12 @@ class DFlashDraftModel(nn.Module):
         return self.config.dflash
 
     def fuse_context(self, features: torch.Tensor) -> torch.Tensor:
-        """C = hidden_norm(fc(concat features)): [B, T, n*D] -> [B, T, D]."""
-        return self.hidden_norm(self.fc(features))
+        """C = hidden_norm(fc(concat features)): [B, T, n*D] -> [B, T, D].
+
+        The target may hand over float32 features from bf16 weights (its float32-activation
+        kernel on CPUs); they are cast to the drafter's own dtype here.
+        """
+        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
 
     def sliding_mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
         """Boolean [1, 1, Q, K] mask keeping keys within ``window`` positions of each query."""
@@ -249,7 +253,8 @@ class DFlashDraftModel(nn.Module):
         Returns:
             [B, Q, D] final-normed hidden states; logits come from the target head.
         """
-        h = block_embeds
+        h = block_embeds.to(self.norm.weight.dtype)
+        context = context.to(h.dtype)
         rotary = self._rotary[0]
         if rotary.inv_freq.device != h.device:
             self._rotary[0] = rotary = rotary.to(h.device)
