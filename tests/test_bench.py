@@ -119,8 +119,9 @@ def test_default_dflash_records_the_runtime_verify_length_and_json_schema(models
     assert [m["name"] for m in doc["methods"]] == ["ar", "dflash"]  # ar always runs: it is the baseline
     d = doc["methods"][1]
     assert d["block_size"] == 4  # the drafter's own block
-    assert len(d["verify_lengths"]) == 3 and all(1 <= v <= 3 for v in d["verify_lengths"])
-    # the runtime picks a chain (its verify length) or a draft tree (its budget) from measured costs
+    # the runtime picks a chain (its verify length) or a draft tree (its budget) from costs measured
+    # on this machine at this moment: on a busy machine drafting may not pay (verify length 0)
+    assert len(d["verify_lengths"]) == 3 and all(0 <= v <= 3 for v in d["verify_lengths"])
     assert (f"(verify {d['verify_lengths'][0]}" in d["label"] or " tree" in d["label"]) and d["label"] in r.stderr
     for key in (
         "tokens_per_second",
