@@ -70,3 +70,95 @@ def test_a_gpu_that_does_not_exist_exits_2_with_one_line(monkeypatch: pytest.Mon
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     r = runner.invoke(app, ["run", "--device", "cuda:7", "--target", str(tmp_path), "hi"])
     one_line_error(r, 2, "cuda:7", "2 GPU(s)", "cuda:0 to cuda:1")
+
+
+# -- where the target goes -------------------------------------------------------------------------
+
+
+def test_layers_fill_the_gpus_in_order_up_to_the_headroom():
+    from runtime.models.placement import split_layers
+
+    # budgets are 90% of the free bytes: 27 and 90; the first GPU also holds 5 (embedding, head...)
+    assert split_layers([10, 10, 10, 10], 5, [30, 100]) == [0, 0, 1, 1]
+    assert split_layers([10, 10], 5, [30, 100]) == [0, 0]  # fits the first GPU
+    assert split_layers([10] * 5, 5, [30, 30]) is None  # 55 bytes for 54 of budget
+    assert split_layers([14, 14, 14], 0, [30, 30]) is None  # 42 bytes fit 54, but a layer never splits
+    assert split_layers([1], 28, [30, 100]) is None  # the first GPU cannot even hold the embedding and head
+
+
+def _fake_gpus(monkeypatch: pytest.MonkeyPatch, free: list[int]) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(free))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i=0: (free[int(i)], 80 * 10**9))
+
+
+def test_a_target_that_does_not_fit_one_gpu_is_spread_and_its_map_covers_every_weight(
+    tiny_pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+):
+    from transformers import AutoModelForCausalLM
+
+    from runtime.models.configs import read_target_config
+    from runtime.models.footprint import DEFAULT_CONTEXT
+    from runtime.models.placement import sized_for
+    from runtime.pipeline import ResolvedPair, place_target
+
+    target_dir, drafter_dir = tiny_pair
+    pair = ResolvedPair(target_dir, drafter_dir, "tiny", "tiny-drafter")
+    cuda = torch.device("cuda")
+    weights = sized_for(read_target_config(target_dir), torch.bfloat16, DEFAULT_CONTEXT)
+    assert weights is not None and len(weights.layer_bytes) == 4
+    room = sum(weights.layer_bytes) + weights.other_bytes + 10**6  # drafter and its cache: well below 1 MB more
+
+    _fake_gpus(monkeypatch, [int(room / 0.9) + 1, 10**12])
+    assert place_target(pair, cuda, torch.bfloat16, None, None).device_map == "cuda"  # one GPU holds it
+
+    _fake_gpus(monkeypatch, [int(room / 0.9 / 2), 10**12])
+    plan = place_target(pair, cuda, torch.bfloat16, None, None)
+    assert isinstance(plan.device_map, dict) and plan.gpus == 2 and "2 GPUs" in plan.note
+    layers = [plan.device_map[f"model.layers.{i}"] for i in range(4)]
+    assert layers[0] == 0 and layers[-1] == 1 and layers == sorted(layers)
+    for shared in ("model.embed_tokens", "lm_head", "model.norm"):  # the drafter borrows them on GPU 0
+        assert plan.device_map[shared] == 0
+
+    assert place_target(pair, torch.device("cuda:1"), torch.bfloat16, None, None).device_map == "cuda:1"
+    staged = place_target(pair, cuda, torch.bfloat16, "int8", None)
+    assert staged.device_map is None and staged.quantize_onto == cuda  # float model waits in host RAM
+
+    # transformers accepts the map's keys as they are: every weight is covered (loaded here on the CPU)
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), device_map=dict.fromkeys(plan.device_map, "cpu"))
+    assert not any(p.is_meta for p in model.parameters())
+
+
+def test_the_lean_forward_declines_a_split_model_and_transformers_runs_it():
+    from runtime.engine.models.lean_target import LeanTarget, lean_supported
+    from runtime.errors import ConfigError
+    from runtime.pipeline import make_target
+    from tests.fakes import make_target as make_tiny
+
+    model = make_tiny()
+    assert lean_supported(model) is None
+    assert isinstance(make_target(model, "auto"), LeanTarget)
+    model.model.layers[3].to("meta")  # stands in for a second GPU
+    why = lean_supported(model)
+    assert why == "its layers are spread over cpu, meta and the lean forward runs on one device"
+    said: list[str] = []
+    target = make_target(model, "auto", said.append)
+    assert not isinstance(target, LeanTarget)
+    assert said == [f"transformers forward for this target ({why})"]
+    with pytest.raises(ConfigError, match="--engine lean cannot run this target: its layers are spread over"):
+        make_target(model, "lean")
+
+
+def test_what_quantizing_leaves_behind_moves_one_tensor_at_a_time_with_ties_kept():
+    from runtime.models.placement import move_rest
+    from tests.fakes import make_target as make_tiny
+
+    model = make_tiny()
+    model.lm_head.weight = model.model.embed_tokens.weight  # tied, as in Qwen2.5-0.5B
+    on_meta = model.model.layers[0].mlp.down_proj.weight.to("meta")  # stands in for a quantized Linear
+    model.model.layers[0].mlp.down_proj.weight = torch.nn.Parameter(on_meta)
+    kept = model.model.layers[0].mlp.down_proj.weight
+    move_rest(model, torch.device("meta"))
+    assert all(p.is_meta for p in model.parameters())
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still one tensor, not two
+    assert model.model.layers[0].mlp.down_proj.weight is kept  # already there: untouched
