@@ -162,3 +162,103 @@ def test_what_quantizing_leaves_behind_moves_one_tensor_at_a_time_with_ties_kept
     assert all(p.is_meta for p in model.parameters())
     assert model.lm_head.weight is model.model.embed_tokens.weight  # still one tensor, not two
     assert model.model.layers[0].mlp.down_proj.weight is kept  # already there: untouched
+
+
+# -- the doctor's memory figures, by hand for Qwen2.5-Coder-0.5B -----------------------------------
+# 24 layers, hidden 896, MLP 4864, 14 heads of 64, 2 KV heads, 151936 tokens, tied embeddings.
+# Linear weights per layer: q, o 896x896; k, v 128x896; gate, up 4864x896; down 896x4864
+LINEAR = 2 * 896 * 896 + 2 * 128 * 896 + 3 * 896 * 4864  # 14,909,440
+ROWS = 896 + 128 + 128 + 896 + 4864 + 4864 + 896  # output rows: one int8 scale each
+FLOAT_PARAMS = 151936 * 896 + 24 * (896 + 128 + 128 + 2 * 896) + 896  # embedding(=head), biases, norms
+PARAMS = 24 * LINEAR + FLOAT_PARAMS  # 494,032,768: the published 0.49B
+KV = 2 * 24 * 2 * 64 * 2 * 4096  # K and V, 24 layers, 2 KV heads of 64, bf16, 4096 tokens
+LARGEST = 896 * 4864 * 2  # gate_proj in bf16
+
+
+@pytest.fixture
+def coder_05b(tmp_path: Path) -> Path:
+    from transformers import Qwen2Config
+
+    folder = tmp_path / "qwen2.5-coder-0.5b"
+    Qwen2Config(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        max_position_embeddings=32768,
+    ).save_pretrained(folder)
+    return folder
+
+
+def _estimate(folder: Path, scheme: str | None, device: str = "cpu", context: int = 4096):  # type: ignore[no-untyped-def]
+    from runtime.doctor.memory import estimate
+    from runtime.models.configs import read_target_config
+
+    cfg = read_target_config(folder)
+    return estimate(torch.device(device), torch.bfloat16, cfg, 0, None, 0, scheme, scheme is not None, context)
+
+
+def test_doctor_counts_bf16_weights_and_the_kv_cache_at_the_context(coder_05b: Path):
+    e = _estimate(coder_05b, None)
+    assert PARAMS == 494_032_768
+    assert e.target.total == e.target.float_total == 2 * PARAMS and e.target.quantized == 0
+    assert e.target_kv == KV == 50_331_648
+    assert e.load_peak == 2 * PARAMS  # streamed straight onto the device: no second copy
+    assert e.need == int((2 * PARAMS + KV) * 1.1)
+    assert _estimate(coder_05b, None, context=32768).target_kv == 8 * KV
+
+
+def test_doctor_counts_quantized_weights_per_scheme_and_the_loading_peak(coder_05b: Path):
+    int8 = _estimate(coder_05b, "int8")
+    assert int8.target.quantized == 24 * (LINEAR + ROWS * 2)  # one byte a weight + a bf16 scale a row
+    assert int8.target.floating == 2 * FLOAT_PARAMS  # embedding (the head too), norms, biases stay bf16
+    # on the CPU the whole bf16 model is there before its first Linear is quantized
+    assert int8.load_peak == 2 * PARAMS + LARGEST and int8.host_peak == 0
+    assert int8.need == int((2 * PARAMS + LARGEST) * 1.1)
+
+    int4 = _estimate(coder_05b, "int4")
+    groups = 2 * 896 * 7 + 2 * 128 * 7 + 2 * 4864 * 7 + 896 * 38  # out rows x in/128 groups per Linear
+    assert int4.target.quantized == 24 * (LINEAR // 2 + groups * 2 * 2)  # half a byte + bf16 scale, zero
+
+    nf4 = _estimate(coder_05b, "bnb-nf4", device="cuda")
+    assert nf4.target.quantized < int8.target.quantized < 2 * 24 * LINEAR
+    # onto a GPU: quantized weights + one Linear in bf16 and its temporaries; the bf16 model waits in host RAM
+    assert nf4.load_peak == nf4.target.total + 2 * LARGEST and nf4.host_peak == 2 * PARAMS
+    assert nf4.need == int(nf4.running * 1.1)  # running (caches included) outweighs the peak
+
+
+def test_doctor_counts_the_drafter_and_its_cache(coder_05b: Path):
+    from runtime.doctor.memory import estimate
+    from runtime.engine.models.drafter_config import DraftModelConfig
+    from runtime.models.configs import read_target_config
+    from tests.fakes import drafter_config_dict
+
+    cfg = read_target_config(coder_05b)
+    draft = DraftModelConfig.from_dict(drafter_config_dict(cfg, block_size=16, layers=5))
+    e = estimate(torch.device("cpu"), torch.bfloat16, cfg, 0, draft, 1_000_000, None, False, 4096)
+    assert e.drafter == 2_000_000
+    assert e.drafter_kv == 2 * 5 * 2 * 16 * (4096 + 16) * 2  # 5 layers, 2 KV heads of 16, context + a block
+    assert e.running == 2 * PARAMS + 2_000_000 + KV + e.drafter_kv
+
+
+def test_the_doctor_memory_line(coder_05b: Path, monkeypatch: pytest.MonkeyPatch):
+    import json
+
+    from runtime.doctor import memory as doctor_memory
+
+    monkeypatch.setattr(doctor_memory, "device_memory", lambda device: (16 * 10**9, 8 * 10**9))
+    args = ["doctor", "--target", str(coder_05b), "--drafter", "none", "--device", "cpu", "--dtype", "bfloat16"]
+    r = runner.invoke(app, [*args, "--quantize", "int8", "--context", "8192", "--json"])
+    checks = {c["area"]: c for c in json.loads(r.stdout)["checks"]}
+    assert checks["quantize"]["status"] == "ok"
+    assert checks["memory"]["status"] == "ok"
+    assert checks["memory"]["message"] == (
+        "needs about 1.1 GB: 631 MB target weights (int8: 358 MB quantized + 272 MB float) + 0 MB drafter "
+        "+ KV caches at 8192 tokens (101 MB target + 0 MB drafter); loading peaks at 997 MB; cpu has 16.0 GB, 8.0 GB free"
+    )
+    r = runner.invoke(app, [*args, "--quantize", "int3", "--json"])
+    assert r.exit_code == 2
+    assert "unknown quantization scheme 'int3'" in {c["area"]: c for c in json.loads(r.stdout)["checks"]}["quantize"]["message"]
