@@ -34,6 +34,7 @@ from runtime.models import embedded, presets
 from runtime.models.compat import ensure_compatible
 from runtime.models.configs import read_target_config
 from runtime.models.hub import resolve_model
+from runtime.models.placement import Placement, move_rest, place, sized_for
 from runtime.textio import check_text
 
 Progress = Callable[[str], None]
@@ -136,20 +137,33 @@ def resolve_pair(ref: ModelRef, opts: LoadOptions, progress: Progress | None = N
     return ResolvedPair(target_dir, drafter_dir, target_name, drafter_name, thinking)
 
 
-def load_target_model(target_dir: Path, device: torch.device, dtype: torch.dtype, attn: str = "sdpa") -> Any:
-    """``AutoModelForCausalLM.from_pretrained`` with clear errors (no remote code, local files only)."""
-    import importlib.util
-
+def load_target_model(
+    target_dir: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    attn: str = "sdpa",
+    quantize: str | None = None,
+    placement: Placement | None = None,
+    progress: Progress | None = None,
+) -> Any:
+    """``AutoModelForCausalLM.from_pretrained`` with clear errors (no remote code, local files only),
+    placed by ``runtime.models.placement`` (straight onto the device, spread over GPUs, or on the
+    CPU and quantized Linear by Linear onto the GPU) and quantized as the folder records or as
+    ``quantize`` asks."""
     from transformers import AutoModelForCausalLM
 
     from runtime.models.quantized import apply_saved_quantization, prepare_saved_load
 
-    prepare_saved_load(target_dir, device, dtype)  # a `dflash quantize` folder: can it run here?
+    saved = prepare_saved_load(target_dir, device, dtype)  # a `dflash quantize` folder: can it run here?
+    if placement is None:
+        placement = place(device, bool(quantize) or (saved is not None and not saved.stored_quantized))
+    if progress and placement.note:
+        progress(placement.note)
     kw: dict[str, Any] = {"dtype": dtype, "local_files_only": True, "trust_remote_code": False}
     if attn:
         kw["attn_implementation"] = attn
-    if device.type == "cuda" and importlib.util.find_spec("accelerate") is not None:
-        kw["device_map"] = str(device)
+    if placement.device_map is not None:
+        kw["device_map"] = placement.device_map  # accelerate: each shard straight onto its device
     try:
         model: Any = AutoModelForCausalLM.from_pretrained(str(target_dir), **kw)
     except torch.OutOfMemoryError:
@@ -164,9 +178,15 @@ def load_target_model(target_dir: Path, device: torch.device, dtype: torch.dtype
             f"cannot load target weights from {target_dir}: {str(e).splitlines()[0] if str(e) else type(e).__name__}; "
             "the files may be truncated or corrupt: re-download them"
         ) from e
-    if "device_map" not in kw:
-        model = model.to(device)
     apply_saved_quantization(model, target_dir, device)  # schemes stored as float weights
+    if quantize:
+        from runtime.models.quant_schemes import quantize_model_inplace
+
+        if progress:
+            progress(f"quantizing {target_dir.name} ({quantize})")
+        quantize_model_inplace(model, quantize, device)
+    if placement.device_map is None and device.type != "cpu":
+        move_rest(model, device)  # what quantizing left on the CPU (embedding, norms, head)
     return model.eval()
 
 
@@ -375,6 +395,28 @@ class Pipeline:
         }
 
 
+def place_target(
+    pair: ResolvedPair, device: torch.device, dtype: torch.dtype, quantize: str | None, saved: Any
+) -> Placement:
+    """Where the pair's target loads (``runtime.models.placement``): its layers and KV cache at
+    ``DEFAULT_CONTEXT`` tokens, and the drafter with its cache on the first GPU, against each GPU's
+    free memory (sized only where a split is possible: several GPUs, ``cuda`` without an index)."""
+    quantize_at_load = bool(quantize) or (saved is not None and saved.scheme is not None and not saved.stored_quantized)
+    if quantize_at_load or device.type != "cuda" or device.index is not None or torch.cuda.device_count() < 2:
+        return place(device, quantize_at_load)
+    from runtime.models.footprint import DEFAULT_CONTEXT, drafter_kv_bytes
+    from runtime.models.quant_schemes import folder_weight_bytes
+
+    weights = sized_for(read_target_config(pair.target_dir), dtype, DEFAULT_CONTEXT)
+    extra = 0
+    if pair.drafter_dir is not None:
+        item = torch.empty((), dtype=dtype).element_size()
+        extra = folder_weight_bytes(pair.drafter_dir) + drafter_kv_bytes(
+            read_draft_config(pair.drafter_dir), DEFAULT_CONTEXT, item
+        )
+    return place(device, False, weights, extra)
+
+
 def load_pipeline(
     ref: ModelRef | None = None,
     runtime: RuntimeConfig | None = None,
@@ -424,13 +466,10 @@ def load_pipeline(
         prepare_saved_load(pair.drafter_dir, device, dtype)
     if progress:
         progress(f"loading {pair.target_name} on {device} ({dtype_name(dtype)})")
-    model = load_target_model(pair.target_dir, device, dtype, runtime.attn_implementation)
-    if opts.quantize:
-        from runtime.models.quant_schemes import quantize_model_inplace
-
-        if progress:
-            progress(f"quantizing {pair.target_name} ({opts.quantize})")
-        quantize_model_inplace(model, opts.quantize, device)
+    placement = place_target(pair, device, dtype, opts.quantize, saved)
+    model = load_target_model(
+        pair.target_dir, device, dtype, runtime.attn_implementation, opts.quantize, placement, progress
+    )
     target = make_target(model, runtime.engine, progress)
     if isinstance(target, LeanTarget) and runtime.compile == "on":
         target.compile()  # opt-in: measured slower than eager on CPUs, not measured on a GPU

@@ -18,6 +18,7 @@ from ..common import (
     DtypeChoice,
     DtypeOpt,
     ModelOpt,
+    QuantizeOpt,
     RevisionOpt,
     TargetOpt,
     console,
@@ -38,6 +39,10 @@ def doctor(
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = DtypeChoice.auto,
     revision: RevisionOpt = None,
+    quantize: QuantizeOpt = None,
+    context: Annotated[
+        int, typer.Option("--context", min=1, help="Tokens of context the memory check sizes both KV caches for.")
+    ] = 4096,
     json_out: Annotated[bool, typer.Option("--json", help="Print the checks as JSON.")] = False,
     speed: Annotated[
         bool,
@@ -52,7 +57,7 @@ def doctor(
     from runtime.doctor.report import exit_code
     from runtime.doctor.run import run_doctor
 
-    opts = session_options(model, target, drafter, device, dtype, offline=True, revision=revision)
+    opts = session_options(model, target, drafter, device, dtype, offline=True, revision=revision, quantize=quantize)
     speed_file = state_dir() / "speed.json"
     if speed and exit_code(run_doctor(opts.ref, opts.runtime, opts.load)) == 0:
         from dataclasses import replace
@@ -74,7 +79,9 @@ def doctor(
         save_result(measure_speed(load_with, progress=say, calibrate=measure_costs), speed_file)
     from runtime.engine.models.kernels.choice import choice_file
 
-    checks = run_doctor(opts.ref, opts.runtime, opts.load, speed_file=speed_file, kernel_file=choice_file())
+    checks = run_doctor(
+        opts.ref, opts.runtime, opts.load, speed_file=speed_file, kernel_file=choice_file(), context=context
+    )
     code = exit_code(checks)
     if json_out:
         print(json.dumps({"ok": code == 0, "exit_code": code, "checks": [c.to_json() for c in checks]}, indent=2))

@@ -14,6 +14,7 @@ from runtime.doctor.memory import MemoryProbe
 from runtime.doctor.report import Check, fail
 from runtime.errors import ConfigError, DFlashError
 from runtime.models import embedded
+from runtime.models.footprint import DEFAULT_CONTEXT
 
 
 def run_doctor(
@@ -23,6 +24,7 @@ def run_doctor(
     memory_probe: MemoryProbe | None = None,
     speed_file: Path | None = None,
     kernel_file: Path | None = None,
+    context: int = DEFAULT_CONTEXT,
 ) -> list[Check]:
     """Check device, dtype, memory, the pair's files and compatibility, and the chat template.
 
@@ -34,6 +36,7 @@ def run_doctor(
         speed_file: where ``dflash doctor --speed`` keeps its measurements (None: no speed line).
         kernel_file: where the bf16 GEMM choices are kept (``kernels.choice.choice_file``; None: no
             kernels line; shown on a CPU only).
+        context: tokens the memory estimate sizes both KV caches for.
 
     Returns:
         The checks in report order; any with status "fail" means the pair will not run as asked.
@@ -45,6 +48,17 @@ def run_doctor(
     dev_check, device = C.device(runtime)
     dtype_check, dtype = C.dtype(runtime, device)
     checks += [dev_check, dtype_check]
+    asked: str | None = None  # --quantize, when this device can run it
+    if getattr(opts, "quantize", None):
+        from runtime.models.quant_schemes import check_supported, get_scheme
+
+        try:
+            spec = get_scheme(opts.quantize)
+            check_supported(spec, device, dtype)
+            checks.append(Check("quantize", "ok", f"{spec.name}: {spec.description}"))
+            asked = spec.name
+        except DFlashError as e:
+            checks.append(fail("quantize", e, "use --quantize int8 or int4 (torchao), or no --quantize"))
 
     if ref.drafter and ref.drafter != "none" and not ref.target and not ref.preset:
         checks.append(fail("model", ConfigError("--drafter needs --target (or --model PRESET)")))
@@ -93,11 +107,23 @@ def run_doctor(
             checks.append(fail("drafter", e, "is this a DFlash drafter? see `dflash models --presets`"))
     if target_cfg is not None and draft_cfg is not None:
         checks += C.pair(target_cfg, draft_cfg)
-    if target_cfg is not None and target.report is not None:
-        params = target.report.params + (drafter.report.params if drafter and drafter.report else 0)
-        checks.append(
-            M.memory_check(device, dtype, params, M.kv_bytes(target_cfg, dtype), memory_probe or M.device_memory)
+    if target_cfg is not None and target.folder is not None:
+        from runtime.models.quantized import read_saved_quantization
+
+        saved = read_saved_quantization(target.folder)
+        scheme = asked or (saved.scheme if saved is not None else None)
+        estimate = M.estimate(
+            device,
+            dtype,
+            target_cfg,
+            target.report.params if target.report is not None else 0,
+            draft_cfg,
+            drafter.report.params if drafter is not None and drafter.report is not None else 0,
+            scheme,
+            scheme is not None and not (saved is not None and saved.stored_quantized),
+            context,
         )
+        checks.append(M.memory_check(device, estimate, memory_probe or M.device_memory))
     if target.folder is not None:
         checks += C.template(target.folder, preset)
     if speed_file is not None and target_cfg is not None:

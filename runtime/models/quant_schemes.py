@@ -294,7 +294,8 @@ class QuantizeSummary:
 def quantize_model_inplace(
     model: nn.Module, scheme: str, device: torch.device | str, progress: LayerProgress | None = None
 ) -> QuantizeSummary:
-    """Quantize the Linear weights of ``model`` (already on ``device``) in place.
+    """Quantize the Linear weights of ``model`` (on ``device``, or on the CPU: each Linear then
+    moves to ``device`` as it is quantized; the rest is ``placement.move_rest``'s job) in place.
 
     Args:
         model: a transformers causal LM or a DFlash drafter.
@@ -323,6 +324,7 @@ def quantize_model_inplace(
         for i, (_name, linear) in enumerate(targets):
             cfg = _torchao_config(spec.name, device, linear.in_features)
             if cfg is not None:
+                linear.to(device)  # a model loaded on the CPU comes to the GPU one Linear at a time
                 quantize_(linear, cfg)  # a leaf Linear: replaces its weight with a quantized tensor
                 done += 1
             if progress:

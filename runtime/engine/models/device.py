@@ -10,7 +10,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def resolve_device(name: str = "auto") -> torch.device:
-    """Map "auto"/"cpu"/"cuda[:N]"/"mps" to an available ``torch.device``.
+    """Map "auto"/"cpu"/"cuda[:N]"/"mps" to an available ``torch.device``. "auto" and "cuda" give
+    ``cuda`` without an index: the loader may then spread a target that does not fit one GPU over
+    all of them (``runtime.models.placement``); "cuda:N" keeps it on GPU N.
 
     Raises:
         ConfigError: the device is not available on this machine.
@@ -29,6 +31,9 @@ def resolve_device(name: str = "auto") -> torch.device:
         raise ConfigError(
             f"device {name!r} requested but CUDA is not available (torch {torch.__version__}); use --device cpu"
         )
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        n = torch.cuda.device_count()
+        raise ConfigError(f"device {name!r} does not exist: this machine has {n} GPU(s), cuda:0 to cuda:{n - 1}")
     if dev.type == "mps" and not torch.backends.mps.is_available():
         raise ConfigError(f"device {name!r} requested but MPS is not available; use --device cpu")
     return dev

@@ -171,8 +171,10 @@ class DFlashDraftModel(nn.Module):
         self.norm = RMSNorm(d, config.rms_norm_eps)
         from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-        # Kept out of the module tree so that ``.to(dtype)`` never casts inv_freq (stays float32).
-        self._rotary: list[nn.Module] = [Qwen3RotaryEmbedding(config.rotary_config())]
+        # Kept out of the module tree so that ``.to(dtype)`` never casts inv_freq (stays float32);
+        # built on the CPU even when the drafter is built on the meta device (``load_draft_model``).
+        with torch.device("cpu"):
+            self._rotary: list[nn.Module] = [Qwen3RotaryEmbedding(config.rotary_config())]
         self.draft_vocab_ids: torch.Tensor | None
         self.register_buffer("draft_vocab_ids", None, persistent=True)
         self.copy_scale: nn.Parameter | None = None

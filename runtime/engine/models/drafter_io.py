@@ -34,19 +34,30 @@ def _normalise_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def read_safetensors(folder: Path, origins: dict[str, Path] | None = None) -> dict[str, torch.Tensor]:
+def read_safetensors(
+    folder: Path,
+    origins: dict[str, Path] | None = None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+) -> dict[str, torch.Tensor]:
     """Read every safetensors shard of a folder (single file or index).
 
     Args:
         folder: the model folder.
         origins: filled with the shard each tensor came from, when given.
+        device: where the tensors are created (safetensors reads them straight onto a GPU).
+        dtype: floating tensors are converted to it as each is read (one tensor at a time in the
+            file's dtype, never a whole shard); None keeps the file's dtypes.
 
     Raises:
         ModelLoadError: no weights, an index that is not valid (named), or a shard that is
             truncated or corrupt.
     """
-    from safetensors.torch import load_file
+    from safetensors import safe_open
 
+    where = torch.device(device)
+    if where.type == "cuda" and where.index is None:
+        where = torch.device("cuda", torch.cuda.current_device())
     files = sorted(f for f in folder.glob("*.safetensors") if f.name != CORPUS_FILE)
     index = folder / "model.safetensors.index.json"
     if index.exists():
@@ -58,7 +69,11 @@ def read_safetensors(folder: Path, origins: dict[str, Path] | None = None) -> di
         if not f.is_file():
             raise ModelLoadError(f"missing weight shard {f}; re-download the model (dflash download)")
         try:
-            shard = load_file(str(f))
+            shard: dict[str, torch.Tensor] = {}
+            with safe_open(str(f), framework="pt", device=str(where)) as handle:
+                for key in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+                    t = handle.get_tensor(key)
+                    shard[key] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
         except Exception as e:  # safetensors raises its own SafetensorError / OSError types
             raise ModelLoadError(
                 f"cannot read {f}: truncated or corrupt safetensors ({e}); re-download the model"
@@ -105,14 +120,16 @@ def load_draft_model(
         ModelLoadError: missing/corrupt files or weights that do not match the config.
     """
     folder = Path(path)
+    device = torch.device(device)
     config = read_draft_config(folder)
-    model = DFlashDraftModel(config)
+    with torch.device("meta"):  # shapes only: no float32 weights built (or initialised) first
+        model = DFlashDraftModel(config)
     origins: dict[str, Path] = {}
-    state = _normalise_keys(read_safetensors(folder, origins))
+    state = _normalise_keys(read_safetensors(folder, origins, device, dtype))
     vocab_ids = state.pop("draft_vocab_ids", None)
     expected = {k for k in model.state_dict() if k != "draft_vocab_ids"}
-    if config.dflash.copy_ngram is not None and "copy_bias" not in state:
-        state["copy_bias"] = torch.zeros(copy_rows(config.dflash))  # saved before it existed: no bias
+    if config.dflash.copy_ngram is not None and "copy_bias" not in state:  # saved before it existed: no bias
+        state["copy_bias"] = torch.zeros(copy_rows(config.dflash), dtype=dtype, device=device)
     missing = sorted(expected - state.keys())
     unexpected = sorted(state.keys() - expected)
     if missing or unexpected:
@@ -124,10 +141,13 @@ def load_draft_model(
             raise ModelLoadError(
                 f"drafter weight {k} has shape {tuple(state[k].shape)}, config implies {tuple(v.shape)}"
             )
-    model.load_state_dict(state, strict=False)
+    # read in the drafter's dtype on its device, each tensor becomes the parameter itself: one copy
+    # of the weights, never a float32 one built on the CPU first
+    model.load_state_dict(state, strict=False, assign=True)
     if vocab_ids is not None:
         source = next((f for k, f in origins.items() if k.endswith("draft_vocab_ids")), folder)
-        model.draft_vocab_ids = check_vocab_ids(vocab_ids, config.vocab_size, f"{source}: draft_vocab_ids")
+        ids = check_vocab_ids(vocab_ids, config.vocab_size, f"{source}: draft_vocab_ids")
+        model.draft_vocab_ids = ids.to(device)
     elif config.dflash.draft_vocab_size:
         raise ModelLoadError(f"{folder}: config declares draft_vocab_size but the weights lack draft_vocab_ids")
     if config.dflash.copy_corpus is not None:
@@ -139,7 +159,10 @@ def load_draft_model(
             raise ModelLoadError(str(e)) from None
         except Exception as e:  # safetensors raises its own SafetensorError / OSError types
             raise ModelLoadError(f"{folder}/{CORPUS_FILE} is unreadable: truncated or corrupt ({e})") from e
-    return model.to(device=device, dtype=dtype).eval()
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:  # every parameter was checked present above: a new parameter the loader does not know
+        raise ModelLoadError(f"drafter in {folder}: no weights loaded for {left[:4]}")
+    return model.eval()
 
 
 def save_draft_model(model: DFlashDraftModel, path: str | Path, extra_config: dict[str, Any] | None = None) -> None:

@@ -77,6 +77,9 @@ def lean_supported(model: nn.Module) -> str | None:
     inner = getattr(model, "model", None)
     if inner is None or getattr(inner, "rotary_emb", None) is None:
         return "no rotary embedding module at model.model.rotary_emb"
+    devices = sorted({str(p.device) for p in model.parameters()})
+    if len(devices) > 1:
+        return f"its layers are spread over {', '.join(devices)} and the lean forward runs on one device"
     return None
 
 

@@ -211,7 +211,8 @@ class TargetModel:
             logits = logits[-logits_to_keep:]
         feats = None
         if capture and self._taps:
-            feats = torch.cat([self._captured[i] for i in self._taps], dim=-1)
+            # layers spread over GPUs: the features meet on the embedding's device (the drafter's)
+            feats = torch.cat([self._captured[i].to(self.device) for i in self._taps], dim=-1)
         self._captured.clear()
         return logits, feats
 
