@@ -58,7 +58,7 @@ class CompiledStep:
             return self.eager(*args)
         try:
             if self.mode == "reduce-overhead":
-                torch.compiler.cudagraph_mark_step_begin()  # the previous replay's outputs are consumed
+                torch.compiler.cudagraph_mark_step_begin()  # type: ignore[no-untyped-call]  # the previous replay's outputs are consumed
                 out = self.compiled(*args)
                 # outputs of a CUDA graph live in its static memory, which the next replay overwrites
                 return tuple(o.clone() if isinstance(o, torch.Tensor) else o for o in out)

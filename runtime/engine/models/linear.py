@@ -300,8 +300,9 @@ class FusedLinear:
             y = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
             return tuple(y.split(self.sizes, dim=-1)) if len(self.sizes) > 1 else (y,)
         if self.cat:
+            assert self.weight is not None
             y = torch.nn.functional.linear(x, self.weight, self.bias)
-            return tuple(y.split(self.sizes, dim=-1))
+            return tuple(torch.split(y, self.sizes, dim=-1))
         return tuple(m(x) for m in self.modules)
 
     def _traced(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
