@@ -5,6 +5,8 @@ are reused across requests, and the masked grouped-query attention it runs takes
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -240,3 +242,26 @@ def test_on_cuda_the_folded_layout_avoids_the_math_kernel(dtype):
     cuda = torch.device("cuda")
     assert attention_kernel(cuda, dtype, masked=True, gqa=True, folded=False) == "math"  # why it folds
     assert attention_kernel(cuda, dtype, masked=True, gqa=True) == "efficient"
+
+
+def test_the_cli_runs_the_bucketed_step_and_refuses_an_unknown_compile_mode(fixture_dir):
+    from typer.testing import CliRunner
+
+    from dflash_cli.app import app
+
+    pair = ["--target", str(fixture_dir / "target"), "--drafter", str(fixture_dir / "drafter")]
+    common = ["run", *pair, "--prompt-ids", "1,2,3,4,5", "-n", "16", "--dtype", "float32", "--json"]
+    runner = CliRunner()
+    outs = {}
+    for engine in ("lean", "bucketed"):
+        r = runner.invoke(app, [*common, "--engine", engine])
+        assert r.exit_code == 0, r.output
+        events = [json.loads(line) for line in r.stdout.splitlines()]
+        outs[engine] = [t["id"] for e in events for t in e.get("tokens", [])]
+    assert len(outs["lean"]) == 16 and outs["bucketed"] == outs["lean"]
+    bad = runner.invoke(app, [*common, "--compile", "fast"])
+    assert bad.exit_code == 2
+    assert (
+        bad.stderr.strip()
+        == "dflash: error: unknown compile setting 'fast'; use auto, off, on, default, reduce-overhead"
+    )
