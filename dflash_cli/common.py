@@ -2,7 +2,8 @@
 
 Only the CLI reads environment variables:
   DFLASH_ENGINE    the target forward: auto (default), lean or hf (same as --engine on run/bench)
-  DFLASH_COMPILE   torch.compile the lean forward: on, or off/auto (default: eager)
+  DFLASH_COMPILE   torch.compile the target forward: on/default, reduce-overhead (CUDA graphs), or
+                   off/auto (default: eager); same as --compile on run
   DFLASH_HOME      dflash's data root (default: the platform user cache dir, e.g. ~/.cache/dflash)
   DFLASH_DEBUG=1   show full tracebacks instead of one-line errors
   DFLASH_NATIVE=0  do not build or use dflash's native CPU kernels (int8 GEMM; ATen's are used)
@@ -82,8 +83,17 @@ EngineOpt = Annotated[
     str | None,
     typer.Option(
         "--engine",
-        help="Target forward: lean (static KV cache, packed weights; Llama/Qwen2/Qwen3), hf (transformers) "
-        "or auto (lean where supported; also DFLASH_ENGINE).",
+        help="Target forward: lean (static KV cache, packed weights; Llama/Qwen2/Qwen3), bucketed (the "
+        "capturable step: fixed verify buckets, pooled caches), hf (transformers) or auto (bucketed on CUDA, "
+        "lean elsewhere, where supported; also DFLASH_ENGINE).",
+    ),
+]
+CompileOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--compile",
+        help="torch.compile the target forward: off (default), default (inductor) or reduce-overhead "
+        "(CUDA graphs; the bucketed step); also DFLASH_COMPILE.",
     ),
 ]
 MaxTokensOpt = Annotated[int, typer.Option("--max-tokens", "-n", help="Maximum new tokens.")]
@@ -234,6 +244,7 @@ def session_options(
     decode: DecodeOptions | None = None,
     engine: str | None = None,
     cache_slots: int | None = None,
+    compile: str | None = None,
 ) -> SessionOptions:
     """The runtime's ``SessionOptions`` from the shared flags and the environment (the one place
     where the CLI turns options into what ``runtime.session.open_backend`` takes).
@@ -257,7 +268,7 @@ def session_options(
         dtype=dtype.value if isinstance(dtype, Enum) else dtype,
         threads=threads,
         engine=engine or os.environ.get("DFLASH_ENGINE", "auto"),
-        compile=os.environ.get("DFLASH_COMPILE", "auto"),
+        compile=compile or os.environ.get("DFLASH_COMPILE", "auto"),
         offline=offline or env_offline(),
         revision=revision,
         quantize=quantize,

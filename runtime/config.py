@@ -112,7 +112,8 @@ class DFlashConfig:
             raise ConfigError(f"target_layer_ids must be >= 0, got {list(self.target_layer_ids)}")
 
 
-ENGINES = ("auto", "lean", "hf")
+ENGINES = ("auto", "lean", "bucketed", "hf")
+COMPILE_SETTINGS = ("auto", "off", "on", "default", "reduce-overhead")
 
 
 @dataclass(frozen=True)
@@ -125,10 +126,14 @@ class RuntimeConfig:
         threads: CPU threads for torch (None: leave torch's default).
         attn_implementation: passed to transformers ("sdpa" by default, "eager" for references).
         engine: the target's forward: "lean" (static KV cache, packed weights; Llama/Qwen2/Qwen3),
-            "hf" (transformers' own forward) or "auto" (lean where the model supports it).
-        compile: run the lean forward's layers through ``torch.compile``: "on", or "off"/"auto"
-            (the default: eager, because on CPUs compiled steps measured slower than eager and no
-            GPU measurement exists yet; docs/speed.md).
+            "bucketed" (the lean forward as a capturable step: fixed verify buckets, caches lent
+            from a per-model pool, no host reads; ``runtime.engine.models.bucketed_target``),
+            "hf" (transformers' own forward) or "auto" (where the model supports it: bucketed on
+            CUDA, lean elsewhere).
+        compile: run the target forward through ``torch.compile``: "on" or "default" (inductor),
+            "reduce-overhead" (inductor with CUDA graphs; the bucketed step's verify and drafter
+            forwards), or "off"/"auto" (the default: eager, because on CPUs compiled steps
+            measured slower than eager and no GPU measurement exists yet; docs/speed.md).
     """
 
     device: str = "auto"
@@ -148,8 +153,8 @@ class RuntimeConfig:
             raise ConfigError(f"threads must be >= 1, got {self.threads}")
         if self.engine not in ENGINES:
             raise ConfigError(f"unknown engine {self.engine!r}; use one of {', '.join(ENGINES)}")
-        if self.compile not in ("auto", "on", "off"):
-            raise ConfigError(f"unknown compile setting {self.compile!r}; use auto, on or off")
+        if self.compile not in COMPILE_SETTINGS:
+            raise ConfigError(f"unknown compile setting {self.compile!r}; use {', '.join(COMPILE_SETTINGS)}")
 
 
 @dataclass(frozen=True)

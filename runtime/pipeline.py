@@ -213,9 +213,14 @@ def make_target(model: Any, engine: str = "auto", progress: Progress | None = No
         return TargetModel(model)
     why = lean_supported(model)
     if why is None:
+        cuda = next(model.parameters()).device.type == "cuda"
+        if engine == "bucketed" or (engine == "auto" and cuda):
+            from runtime.engine.models.bucketed_target import BucketedTarget
+
+            return BucketedTarget(model)  # the capturable step (docs/decoding.md, "On a GPU")
         return LeanTarget(model)
-    if engine == "lean":
-        raise ConfigError(f"--engine lean cannot run this target: {why}; use --engine hf")
+    if engine in ("lean", "bucketed"):
+        raise ConfigError(f"--engine {engine} cannot run this target: {why}; use --engine hf")
     if progress:
         progress(f"transformers forward for this target ({why})")
     return TargetModel(model)
@@ -471,8 +476,9 @@ def load_pipeline(
         pair.target_dir, device, dtype, runtime.attn_implementation, opts.quantize, placement, progress
     )
     target = make_target(model, runtime.engine, progress)
-    if isinstance(target, LeanTarget) and runtime.compile == "on":
-        target.compile()  # opt-in: measured slower than eager on CPUs, not measured on a GPU
+    compile_mode = {"on": "default", "default": "default", "reduce-overhead": "reduce-overhead"}.get(runtime.compile)
+    if isinstance(target, LeanTarget) and compile_mode is not None:
+        target.compile(compile_mode)  # opt-in: measured slower than eager on CPUs, not measured on a GPU
     drafter = None
     if pair.drafter_dir is not None:
         if progress:
@@ -485,6 +491,10 @@ def load_pipeline(
             pack_linears(drafter)  # inference only: packed oneDNN GEMMs on CPUs (no-op elsewhere)
             if target.dtype != dtype and all_linears_packed(drafter):
                 activations_in(drafter, target.dtype)  # bf16 weights, float32 activations (LeanTarget)
+        if compile_mode is not None and getattr(target, "buckets", None) is not None:
+            from runtime.engine.models.bucketed_drafter import BucketedDrafter
+
+            BucketedDrafter.of(drafter).compile(compile_mode)  # the drafter's half of the bucketed step
         ids = drafter.draft_vocab_ids
         if ids is not None and ids.numel() and int(ids.max()) >= target.vocab_size:
             raise ModelLoadError(f"drafter draft vocabulary has ids beyond the target vocab ({target.vocab_size})")

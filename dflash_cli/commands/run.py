@@ -16,6 +16,7 @@ import typer
 from ..common import (
     BlockSizeOpt,
     ColorChoice,
+    CompileOpt,
     ConfidenceCutOpt,
     DecoderChoice,
     DecoderOpt,
@@ -149,6 +150,7 @@ def run(
     quantize: QuantizeOpt = None,
     threads: ThreadsOpt = None,
     engine: EngineOpt = None,
+    compile_mode: CompileOpt = None,
     server: ServerOpt = None,
 ) -> None:
     """Complete a prompt and stream the text to stdout (for pipes and scripts)."""
@@ -194,7 +196,19 @@ def run(
     # a remote OpenAI-compatible server (--server) or the local pair: same events, same rendering
     backend = open_backend(
         session_options(
-            model, target, drafter, device, dtype, offline, revision, quantize, threads, server, opts, engine
+            model,
+            target,
+            drafter,
+            device,
+            dtype,
+            offline,
+            revision,
+            quantize,
+            threads,
+            server,
+            opts,
+            engine,
+            compile=compile_mode,
         )
     )
     if not server:

@@ -108,6 +108,17 @@ class DrafterProposer:
         all_positions = ctx.scratch["positions"]
         positions = all_positions[d_cache.seq_len : start + b].unsqueeze(0)  # [1, C + b]
         key_pos = all_positions[: start + b] if self._sliding else None
+        embeds, shown = self.block_embeds(ctx, block_ids)
+        hidden = self.drafter(embeds, ctx_feats, positions, cache=d_cache, key_positions=key_pos)
+        d_cache.crop(start)  # keep context entries only; the block never stays cached
+        return hidden[0], shown
+
+    def block_embeds(
+        self, ctx: RequestContext, block_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """The block's embeddings [1, b, D] with what the copy inputs add, and what they showed
+        (([b] proposed ids, [b] matched n-gram sizes) on the device, or None)."""
+        b = int(block_ids.shape[1])
         embeds = self.target.embed(block_ids)
         shown: tuple[torch.Tensor, torch.Tensor] | None = None
         index = ctx.indexed()
@@ -122,6 +133,4 @@ class DrafterProposer:
                 shown = (upload(ids, torch.long, dev), upload(matched, torch.long, dev))
                 copies = self.target.embed(shown[0][None])
                 embeds = embeds + self.drafter.copy_inputs(copies, shown[1][None])
-        hidden = self.drafter(embeds, ctx_feats, positions, cache=d_cache, key_positions=key_pos)
-        d_cache.crop(start)  # keep context entries only; the block never stays cached
-        return hidden[0], shown
+        return embeds, shown

@@ -21,6 +21,7 @@ from runtime.engine.models.target import TargetModel
 from runtime.engine.plan import AdaptivePlanner, FixedPlanner
 from runtime.engine.prompt_cache import PromptCache
 from runtime.engine.propose import DrafterProposer
+from runtime.engine.propose_bucketed import BucketedProposer
 from runtime.engine.step import Planner, Proposer
 from runtime.errors import ConfigError
 
@@ -39,6 +40,16 @@ def has_sliding_layers(config: Any) -> bool:
     if "sliding_attention" in types:
         return True
     return bool(getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None))
+
+
+def drafter_proposer(target: TargetModel, drafter: DFlashDraftModel, block: int) -> Proposer:
+    """The drafter's proposer for this target: on the capturable step where the target runs it
+    (``BucketedTarget``), else the plain one."""
+    from runtime.engine.models.bucketed_target import BucketedTarget
+
+    if isinstance(target, BucketedTarget):
+        return BucketedProposer(target, drafter, block)
+    return DrafterProposer(target, drafter, block)
 
 
 def plain_decoder(
@@ -79,7 +90,7 @@ def chain_decoder(
         return plain_decoder(target, tokenizer, stop_token_ids=stop_token_ids)
     assert drafter is not None
     planner = verify if verify is not None and not isinstance(verify, int) else FixedPlanner(block - 1, verify)
-    proposer = proposer or DrafterProposer(target, drafter, block)
+    proposer = proposer or drafter_proposer(target, drafter, block)
     return SpeculativeDecoder(target, proposer, planner, tokenizer, stop_token_ids=stop_token_ids)
 
 
@@ -116,7 +127,7 @@ def tree_decoder(
     if block < 2:
         raise ConfigError("tree verification needs a block size >= 2")
     planner = tree_budget if not isinstance(tree_budget, int) else FixedPlanner(block - 1, budget=tree_budget)
-    proposer = proposer or DrafterProposer(target, drafter, block)
+    proposer = proposer or drafter_proposer(target, drafter, block)
     return SpeculativeDecoder(
         target, proposer, planner, tokenizer, stop_token_ids=stop_token_ids, lookup=lookup, lookup_ngram=lookup_ngram
     )

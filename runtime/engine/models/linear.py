@@ -23,6 +23,10 @@ products, the int8 weights read directly, a quarter of float32's bytes) or, wher
 built, ATen's ``_weight_int8pack_mm`` (bf16 activations and scales, output rounded to bf16). The
 module call (torchao's own linear) de-quantizes the whole weight to the activation dtype on every
 call instead.
+
+Unpacked plain weights (CUDA, and CPUs where nothing packs) are fused too: one concatenated
+weight per group (the layers' weights become views into it, no extra memory), one ``F.linear``,
+split outputs: q/k/v and gate/up run as one GEMM each instead of three and two.
 """
 
 from __future__ import annotations
@@ -213,6 +217,25 @@ class FusedLinear:
                 else:
                     self.weight = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 1)
                     self.bias = self._cat_bias(biases, w)
+        self.cat = False  # unpacked plain weights (CUDA): one concatenated weight, one F.linear
+        if not self.packed and not self.int8 and len(weights) > 1 and all(_plain(w) for w in weights):
+            self._concatenate(weights, biases)
+
+    def _concatenate(self, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None]) -> None:
+        """One weight for the group (CUDA and other unpacked plain weights): the layers' own weights
+        become views into it, so the group costs no extra memory and runs as one GEMM."""
+        if len({(w.dtype, w.device, int(w.shape[1])) for w in weights}) != 1 or not all(_plain(b) for b in biases):
+            return
+        with torch.no_grad():
+            w = torch.cat([x.detach() for x in weights])
+            bias = self._cat_bias(biases, w)
+            at = 0
+            for m, n in zip(self.modules, self.sizes, strict=True):
+                m.weight.data = w[at : at + n]
+                if getattr(m, "bias", None) is not None and bias is not None:
+                    m.bias.data = bias[at : at + n]
+                at += n
+        self.weight, self.bias, self.cat = w, bias, True
 
     def _cat_bias(self, biases: Sequence[torch.Tensor | None], like: torch.Tensor) -> torch.Tensor | None:
         """The layers' biases concatenated (zeros for layers without), or None if none has one."""
@@ -276,6 +299,10 @@ class FusedLinear:
         if self.packed:
             y = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
             return tuple(y.split(self.sizes, dim=-1)) if len(self.sizes) > 1 else (y,)
+        if self.cat:
+            assert self.weight is not None
+            y = torch.nn.functional.linear(x, self.weight, self.bias)
+            return tuple(torch.split(y, self.sizes, dim=-1))
         return tuple(m(x) for m in self.modules)
 
     def _traced(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
