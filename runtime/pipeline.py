@@ -142,9 +142,11 @@ def load_target_model(target_dir: Path, device: torch.device, dtype: torch.dtype
 
     from transformers import AutoModelForCausalLM
 
-    from runtime.models.quantized import apply_saved_quantization, prepare_saved_load
+    from runtime.models.quantized import apply_saved_quantization, load_q4_folder, prepare_saved_load, stored_by_dflash
 
-    prepare_saved_load(target_dir, device, dtype)  # a `dflash quantize` folder: can it run here?
+    saved = prepare_saved_load(target_dir, device, dtype)  # a `dflash quantize` folder: can it run here?
+    if stored_by_dflash(saved):
+        return load_q4_folder(target_dir, device, dtype, attn)  # dflash's own q4 layers: not transformers'
     kw: dict[str, Any] = {"dtype": dtype, "local_files_only": True, "trust_remote_code": False}
     if attn:
         kw["attn_implementation"] = attn
