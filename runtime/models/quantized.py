@@ -324,7 +324,7 @@ class _ParamsOnMeta:
                 assert p is not None
                 module._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
 
-        nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+        nn.Module.register_parameter = on_meta  # type: ignore[method-assign,assignment]
 
     def __exit__(self, *exc: object) -> None:
         nn.Module.register_parameter = self._register  # type: ignore[method-assign]

@@ -61,6 +61,9 @@ NATIVE_MAX_ROWS = 128
 # test target: 1.07x at 2-5 rows against 1.2-1.5x), which is what drafting needs.
 NATIVE_F32_MIN_PARAMS = 50_000_000
 
+# what the native layers read: float32 norms and biases, bf16/int8/float32 weights, q4 (uint8 + float16)
+_POINTER_DTYPES = (torch.float32, torch.bfloat16, torch.int8, torch.uint8, torch.float16)
+
 
 def lean_supported(model: nn.Module) -> str | None:
     """Why ``LeanTarget`` cannot run ``model`` (None when it can)."""
@@ -299,7 +302,7 @@ class LeanTarget(TargetModel):
             if t is None:
                 return None
             # norms and biases are float32 (the activations'), weights int8, bf16 or q4 (uint8 + float16)
-            assert t.is_contiguous() and t.dtype in (torch.float32, torch.bfloat16, torch.int8, torch.uint8, torch.float16)
+            assert t.is_contiguous() and t.dtype in _POINTER_DTYPES
             return int(t.data_ptr())
 
         def proj(f: FusedLinear) -> Any:

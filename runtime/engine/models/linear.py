@@ -293,7 +293,7 @@ class FusedLinear:
 
             assert self.weight is not None and self.scale is not None
             y = q4_matmul(x, self.weight, self.scale, self.bias, self.q4_native).to(x.dtype)
-            return tuple(y.split(self.sizes, dim=-1)) if len(self.sizes) > 1 else (y,)
+            return tuple(torch.split(y, self.sizes, dim=-1)) if len(self.sizes) > 1 else (y,)
         if self.f32 is not None:
             assert self.weight is not None
             y = kernels.f32_project(self.f32, x, self.weight, self.bias)

@@ -126,25 +126,31 @@ def q4_matmul(
 
 class Q4Weight:
     """What ``Q4Linear.weight`` returns: the q4 tensors of a layer, for ``FusedLinear`` to read (not a
-    tensor; ``shape`` is the logical [out_features, in_features])."""
+    tensor; ``shape`` is the logical [out_features, in_features], ``dtype`` the layer's float dtype:
+    its inputs' and outputs')."""
 
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> None:
-        self.qweight, self.scales, self.mins = qweight, scales, mins
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, dtype: torch.dtype) -> None:
+        self.qweight, self.scales, self.mins, self.dtype = qweight, scales, mins, dtype
         self.shape = torch.Size((qweight.shape[0], qweight.shape[1] * 2))
         self.device = qweight.device
 
 
 class Q4Linear(nn.Module):
     """An ``nn.Linear`` with q4 weights (inference only): buffers ``qweight``, ``scales``, ``mins``
-    and the float ``bias`` (or None). Built by ``from_linear`` or, empty, by the folder loader."""
+    and the float ``bias`` (or None). Built by ``from_linear`` or, empty, by the folder loader.
+    ``module.to(dtype)`` changes the layer's float dtype (``float_dtype``, the bias), never the float16
+    scales and minimums."""
 
-    def __init__(
-        self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype = torch.float32
-    ) -> None:
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         if not supports(in_features):
             raise ValueError(f"q4: in_features must be a multiple of {GROUP}, got {in_features}")
         self.in_features, self.out_features = in_features, out_features
+        self.float_dtype = dtype
         g = in_features // GROUP
         self.register_buffer("qweight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
         self.register_buffer("scales", torch.zeros(out_features, g, dtype=torch.float16))
@@ -168,9 +174,20 @@ class Q4Linear(nn.Module):
         return new
 
     @property
-    def weight(self) -> Q4Weight:  # type: ignore[override]
+    def weight(self) -> Q4Weight:
         """The q4 tensors (see ``Q4Weight``)."""
-        return Q4Weight(self.qweight, self.scales, self.mins)
+        return Q4Weight(self.qweight, self.scales, self.mins, self.float_dtype)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Q4Linear:
+        kept = {name: self._buffers[name] for name in ("scales", "mins")}
+        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        for name, old in kept.items():  # moved, never cast: the kernel reads float16
+            new = self._buffers[name]
+            if old is not None and new is not None and new.dtype != old.dtype:
+                self._buffers[name] = old.to(device=new.device)
+        probe: torch.Tensor = fn(torch.empty(0, dtype=self.float_dtype))
+        self.float_dtype = probe.dtype
+        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out] in x's dtype (float32 inside)."""
