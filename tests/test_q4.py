@@ -410,3 +410,23 @@ def test_without_native_kernels_dflash_on_q4_still_equals_plain_greedy():
             assert greedy_pair(lean, drafter, p, 16) == (ref, ref)
     finally:
         kernels.configure()
+
+
+def test_the_quality_script_runs_on_a_tiny_pair(tiny_pair, tmp_path, monkeypatch, capsys):
+    """scripts/quant_quality.py (a benchmark for the embedded pair) on the tiny pair: a table row per
+    pair, finite perplexities, DFlash == plain on the q4 target."""
+    import runpy
+    import sys
+
+    t, d = tiny_pair
+    out = tmp_path / "quality.json"
+    argv = ["quant_quality.py", "--target", str(t), "--drafter", str(d), "--limit", "1", "-n", "4", "--ctx", "16"]
+    argv += ["--max-text-tokens", "64", "--base-dtype", "float32", "--dtype", "float32", "--threads", "1"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--out", str(out)])
+    runpy.run_path("scripts/quant_quality.py", run_name="__main__")
+    table = capsys.readouterr().out
+    assert "| float | float32 |" in table and "| q4 | float32 |" in table
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["weights"] for r in rows] == ["float", "q4"]
+    assert all(r["perplexity"] > 1 and r["scored_tokens"] == 32 for r in rows)
+    assert rows[1]["dflash_equals_plain"] == 1 and 0 <= rows[1]["agreement"] <= 1
