@@ -75,7 +75,8 @@ RevisionOpt = Annotated[str | None, typer.Option("--revision", help="Hub revisio
 QuantizeOpt = Annotated[
     str | None,
     typer.Option(
-        "--quantize", help="Quantize the target at load time: int8, int4 (torchao), bnb-int8, bnb-nf4 (CUDA)."
+        "--quantize",
+        help="Quantize the target at load time: int8, int4 (torchao), q4 (dflash, CPU), bnb-int8, bnb-nf4 (CUDA).",
     ),
 ]
 ThreadsOpt = Annotated[int | None, typer.Option("--threads", help="CPU threads for torch.")]

@@ -152,9 +152,11 @@ def load_target_model(
     ``quantize`` asks."""
     from transformers import AutoModelForCausalLM
 
-    from runtime.models.quantized import apply_saved_quantization, prepare_saved_load
+    from runtime.models.quantized import apply_saved_quantization, load_q4_folder, prepare_saved_load, stored_by_dflash
 
     saved = prepare_saved_load(target_dir, device, dtype)  # a `dflash quantize` folder: can it run here?
+    if stored_by_dflash(saved):
+        return load_q4_folder(target_dir, device, dtype, attn)  # dflash's own q4 layers: not transformers'
     if placement is None:
         placement = place(device, bool(quantize) or (saved is not None and not saved.stored_quantized))
     if progress and placement.note:

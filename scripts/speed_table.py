@@ -7,7 +7,7 @@ Rows (each: one warm-up prompt, then every prompt of the set; decode tok/s exclu
   ``timings``; ``--llama-ngram`` adds its model-free ngram speculation on the same files;
 - dflash on the embedded pair (or ``--target/--drafter``): plain (``ar``) and DFlash, for each
   precision in ``--quantize`` (``none`` = float weights in each of ``--float-dtypes``, ``int8``,
-  ``int4`` with the machine's default activation dtype), with the lean target forward; ``--with-hf`` adds transformers' own forward (the step before the lean engine).
+  ``int4``, ``q4`` with the machine's default activation dtype), with the lean target forward; ``--with-hf`` adds transformers' own forward (the step before the lean engine).
 
 The verify costs (chains and tree-sized verifies) are measured for this machine at the start of each dflash pair (as ``dflash run``
 does on first use). Prints a Markdown table of medians; ``--out FILE`` keeps every number as JSON.
@@ -196,7 +196,7 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("-n", "--max-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--quantize", default="none,int4", help="comma list of none,int8,int4 (default none,int4)")
+    ap.add_argument("--quantize", default="none,int4", help="comma list of none,int8,int4,q4 (default none,int4)")
     ap.add_argument(
         "--float-dtypes",
         default="bfloat16",

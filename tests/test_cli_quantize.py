@@ -104,7 +104,7 @@ def test_unknown_scheme(tiny_pair, tmp_path):
     r = cli("quantize", "--target", str(t), "--scheme", "int3", "--out", str(tmp_path / "x"))
     assert r.exit_code == 2 and "int3" in r.stderr
     r = cli("run", "--target", str(t), "--drafter", "none", "--quantize", "int3", *F32, "hi")
-    one_line_error(r, ConfigError.exit_code, "int3", "int8, int4, bnb-int8, bnb-nf4")
+    one_line_error(r, ConfigError.exit_code, "int3", "int8, int4, q4, bnb-int8, bnb-nf4")
 
 
 @pytest.mark.parametrize("scheme", ["bnb-int8", "bnb-nf4"])

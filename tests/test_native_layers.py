@@ -1,6 +1,6 @@
 """The decoder layers as one native call (``runtime/engine/models/kernels/layers.c``): the same function as
 the lean forward's PyTorch layers over the same GEMM kernels (every architecture, bf16, int8 and
-float32 weights, tree masks, taps, a growing cache), every row of a verify block bit-identical to one-token
+float32 and q4 weights, tree masks, taps, a growing cache), every row of a verify block bit-identical to one-token
 steps, and greedy DFlash through it equal to plain greedy decoding of the same target."""
 
 from __future__ import annotations
@@ -29,6 +29,11 @@ def _target(arch: str, weights: str, seed: int, monkeypatch: pytest.MonkeyPatch)
 
         quantize_model_inplace(model, "int8", "cpu")
         return model
+    if weights == "q4":
+        from runtime.models.quant_schemes import quantize_model_inplace
+
+        quantize_model_inplace(model, "q4", "cpu")  # dflash's own 4-bit kernel, no library
+        return model
     if weights == "f32":
         return model  # float32 weights: dflash's float32 GEMM on every CPU where the kernels build
     monkeypatch.setattr(linear, "cpu_has_fast_bf16", lambda: False)  # bf16 on dflash's kernel, as on AVX2
@@ -43,7 +48,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
-@pytest.mark.parametrize("weights", ["bf16", "int8", "f32"])
+@pytest.mark.parametrize("weights", ["bf16", "int8", "f32", "q4"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_native_layers_compute_the_lean_forward(arch, weights, monkeypatch):
     model = _target(arch, weights, 4, monkeypatch)
@@ -52,8 +57,8 @@ def test_native_layers_compute_the_lean_forward(arch, weights, monkeypatch):
     assert native.native_layers and not eager.native_layers
     for t in (eager, native):
         t.set_taps([0, 2, 3])
-    # int8 rounds activations per row to 15 bits: a last-bit difference upstream may move one step
-    tol = 1e-3 if weights == "int8" else 1e-5
+    # int8 and q4 round activations per row to 15 bits: a last-bit difference upstream may move one step
+    tol = 1e-3 if weights in ("int8", "q4") else 1e-5
     c1, c2 = eager.new_cache(capacity=8), native.new_cache(capacity=8)  # small: the cache grows
     with torch.inference_mode():
         for n in (7, 5, 1, 3, 1):
@@ -84,7 +89,7 @@ def test_native_layers_compute_the_lean_forward(arch, weights, monkeypatch):
         assert l2.shape == (1, 96) and _rel(l2, l1) < tol
 
 
-@pytest.mark.parametrize("weights", ["bf16", "int8", "f32"])
+@pytest.mark.parametrize("weights", ["bf16", "int8", "f32", "q4"])
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
 def test_a_verify_block_is_bit_identical_to_one_token_steps(arch, weights, monkeypatch):
     """The exactness contract: each row of a block (a chain, and a tree path) computes exactly what
@@ -112,7 +117,7 @@ def test_a_verify_block_is_bit_identical_to_one_token_steps(arch, weights, monke
         assert torch.equal(lt[[0, 1, 3]], lb[:3])
 
 
-@pytest.mark.parametrize("weights", ["bf16", "int8", "f32"])
+@pytest.mark.parametrize("weights", ["bf16", "int8", "f32", "q4"])
 def test_dflash_through_native_layers_equals_plain_greedy(weights, monkeypatch):
     model = _target("qwen2", weights, 3, monkeypatch)
     lean = LeanTarget(model, native_f32=weights == "f32")

@@ -229,7 +229,7 @@ def test_prefix_share():
 
 
 def test_unknown_scheme_lists_the_known_ones():
-    with pytest.raises(ConfigError, match="int8, int4, bnb-int8, bnb-nf4"):
+    with pytest.raises(ConfigError, match="int8, int4, q4, bnb-int8, bnb-nf4"):
         get_scheme("int3")
     assert get_scheme(" INT8 ").name == "int8"
 

@@ -38,6 +38,7 @@ class SchemeChoice(str, Enum):
 
     int8 = "int8"
     int4 = "int4"
+    q4 = "q4"
     bnb_int8 = "bnb-int8"
     bnb_nf4 = "bnb-nf4"
 
@@ -131,7 +132,8 @@ def quantize(
         SchemeChoice,
         typer.Option(
             "--scheme",
-            help="int8 / int4: torchao weight-only (CPU, CUDA); bnb-int8 / bnb-nf4: bitsandbytes (CUDA only).",
+            help="int8 / int4: torchao weight-only (CPU, CUDA); q4: dflash's 4-bit kernel (CPU); "
+            "bnb-int8 / bnb-nf4: bitsandbytes (CUDA only).",
             case_sensitive=False,
         ),
     ],

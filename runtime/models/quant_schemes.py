@@ -6,6 +6,9 @@ Schemes (``SCHEMES``):
             does not divide a layer): on CPU the packed layout of aten's
             ``_weight_int4pack_mm_for_cpu`` (torchao ``PrototypeInt4WeightOnlyConfig``), on CUDA
             the tinygemm layout (``Int4WeightOnlyConfig``, bfloat16, compute capability >= 8.0).
+  q4        dflash's own 4-bit weights (``runtime.engine.models.q4``): groups of 32 input features,
+            asymmetric, a float16 scale and minimum per group (5.0 bits per weight), computed by
+            dflash's native q4 kernel (row-independent, like the int8 one); CPU only; no library.
   bnb-int8  bitsandbytes LLM.int8() (``Linear8bitLt``); CUDA only.
   bnb-nf4   bitsandbytes 4-bit NF4 (``Linear4bit``); CUDA only.
 
@@ -35,6 +38,7 @@ from runtime.errors import ConfigError
 INT4_GROUP_SIZES = (128, 64, 32)
 
 LayerProgress = Callable[[int, int], None]
+BUILTIN = "dflash"  # the "library" of schemes dflash implements itself (nothing to install)
 
 
 class MissingLibraryError(ConfigError):
@@ -91,6 +95,15 @@ SCHEMES: dict[str, Scheme] = {
             "torchao int4 weight-only, groups of 128",
         ),
         Scheme(
+            "q4",
+            BUILTIN,
+            4,
+            ("cpu",),
+            True,
+            "",
+            "dflash 4-bit, groups of 32 with float16 scales and minimums (5 bits/weight)",
+        ),
+        Scheme(
             "bnb-int8",
             "bitsandbytes",
             8,
@@ -125,8 +138,8 @@ def get_scheme(name: str) -> Scheme:
 
 
 def library_installed(library: str) -> bool:
-    """True when ``library`` can be imported (checked without importing it)."""
-    return importlib.util.find_spec(library) is not None
+    """True when ``library`` can be imported (checked without importing it; dflash's own: always)."""
+    return library == BUILTIN or importlib.util.find_spec(library) is not None
 
 
 def library_version(library: str) -> str | None:
@@ -134,7 +147,7 @@ def library_version(library: str) -> str | None:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        return version(library)
+        return version(DISTRIBUTION if library == BUILTIN else library)
     except PackageNotFoundError:
         return None
 
@@ -151,7 +164,11 @@ def check_supported(scheme: Scheme, device: torch.device, dtype: torch.dtype) ->
             need = f"needs a CUDA GPU and this run is on {device.type}"
         else:
             need = f"does not run on {device.type} (it runs on {', '.join(scheme.devices)})"
-        hint = "; on a CPU use --scheme int8 or int4 (torchao)" if device.type == "cpu" else "; use --device cpu"
+        hint = (
+            "; on a CPU use --scheme int8 or int4 (torchao) or q4 (dflash)"
+            if device.type == "cpu"
+            else "; use --device cpu (on CUDA: --scheme int8 or int4)"
+        )
         raise ConfigError(f"quantization scheme {scheme.name} ({scheme.library}) {need}{hint}")
     if scheme.name == "int4" and device.type == "cuda":
         if dtype != torch.bfloat16:
@@ -317,7 +334,16 @@ def quantize_model_inplace(
     all_linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     targets = quantizable_linears(model)
     done = 0
-    if spec.library == "torchao":
+    if spec.library == BUILTIN:
+        from runtime.engine.models.q4 import Q4Linear, supports
+
+        for i, (name, linear) in enumerate(targets):
+            if supports(linear.in_features):  # whole groups of 32; others stay in float
+                model.set_submodule(name, Q4Linear.from_linear(linear))
+                done += 1
+            if progress:
+                progress(i + 1, len(targets))
+    elif spec.library == "torchao":
         import_torchao()
         from torchao.quantization import quantize_
 

@@ -7,6 +7,11 @@ stored depends on what is portable (see ``runtime.models.quant_schemes``):
 * int8: quantized, in torchao's safetensors format, written and read by transformers
   (``save_pretrained`` with its torchao quantizer attached / ``from_pretrained``). Any
   transformers + torchao install loads such a folder already quantized, on CPU or CUDA.
+* q4 (dflash's own 4-bit format): quantized, as the ``Q4Linear`` buffers (``qweight`` uint8,
+  ``scales`` and ``mins`` float16, see ``runtime.engine.models.q4``) in one safetensors file beside
+  the float tensors (embedding, norms, biases, and the head unless it is tied to the embedding);
+  ``load_q4_folder`` builds the model from config.json without allocating float weights for the
+  quantized layers and reads them back (transformers alone cannot: the layers are dflash's).
 * int4, bnb-int8, bnb-nf4: float weights, quantized when the folder is loaded, because no stored
   form would be both compact and portable: torchao's CPU int4 layout (for aten's
   ``_weight_int4pack_mm_for_cpu``) is opaque and cannot be serialized, its CUDA int4 layout does not
@@ -30,6 +35,7 @@ from torch import nn
 
 from runtime.errors import ConfigError, ModelLoadError
 from runtime.models.quant_schemes import (
+    BUILTIN,
     SCHEMES,
     AlreadyQuantizedError,
     Scheme,
@@ -114,9 +120,19 @@ def prepare_saved_load(folder: Path, device: torch.device, dtype: torch.dtype) -
             f"{folder} is quantized with scheme {saved.scheme!r}, which this dflash does not know; upgrade dflash"
         )
     check_supported(SCHEMES[saved.scheme], device, dtype)
-    if saved.stored_quantized:
+    if saved.stored_quantized and SCHEMES[saved.scheme].library == "torchao":
         import_torchao()  # transformers needs it to read the quantized tensors
     return saved
+
+
+def stored_by_dflash(saved: SavedQuantization | None) -> bool:
+    """Whether a folder holds weights in one of dflash's own formats (``load_q4_folder`` reads them)."""
+    return (
+        saved is not None
+        and saved.stored_quantized
+        and saved.scheme in SCHEMES
+        and SCHEMES[saved.scheme].library == BUILTIN
+    )
 
 
 def check_quantize_request(scheme: str, target_dir: Path, device: torch.device, dtype: torch.dtype) -> Scheme:
@@ -230,6 +246,9 @@ def save_quantized_target(
     spec = get_scheme(scheme)
     if not spec.stored_quantized:
         raise ConfigError(f"scheme {scheme} is stored as float weights; use save_float_for_scheme")
+    if spec.library == BUILTIN:
+        _save_q4(model, src, out, spec, source, drafter)
+        return
     from torchao.quantization import Int8WeightOnlyConfig
     from transformers import TorchAoConfig
     from transformers.quantizers import AutoHfQuantizer
@@ -259,3 +278,103 @@ def save_drafter_for_scheme(drafter: Any, out: Path, scheme: str, source: str) -
     dtype = next(p.dtype for p in drafter.parameters() if p.is_floating_point())
     save_draft_model(drafter, out)
     _record(out / "config.json", spec, False, dtype, source)
+
+
+# -- dflash's own q4 folders -----------------------------------------------------------------------
+
+Q4_FILE = "model.safetensors"
+
+
+def _save_q4(model: nn.Module, src: Path, out: Path, spec: Scheme, source: str, drafter: str | None) -> None:
+    """Write a model quantized in place with q4: its state dict (``Q4Linear`` buffers and the float
+    tensors; a head tied to the embedding is stored once, as the embedding) and config.json."""
+    from safetensors.torch import save_file
+
+    from runtime.engine.models.q4 import Q4Linear
+
+    if not any(isinstance(m, Q4Linear) for m in model.modules()):
+        raise ConfigError("nothing to save in q4: no layer of this model was quantized")
+    cfg: Any = getattr(model, "config", None)
+    state = model.state_dict()
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    embed = getattr(model, "get_input_embeddings", lambda: None)()
+    if head is not None and embed is not None and head.weight is embed.weight:
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}  # tied: tie_weights restores it
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+    save_file(tensors, str(out / Q4_FILE), metadata={"format": "pt", "dflash_quantization": spec.name})
+    cfg.save_pretrained(str(out))
+    _copy_side_files(src, out)
+    _record(out / "config.json", spec, True, dtype, source, drafter)
+
+
+class _ParamsOnMeta:
+    """Create parameters on the meta device (no memory, no initialisation) and buffers as usual
+    (rotary tables and other non-persistent buffers are computed, not stored), while a model is built."""
+
+    def __enter__(self) -> None:
+        self._register = nn.Module.register_parameter
+        register = self._register
+
+        def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+            register(module, name, param)
+            if param is not None and param.device.type != "meta":
+                p = module._parameters[name]
+                assert p is not None
+                module._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+
+        nn.Module.register_parameter = on_meta  # type: ignore[method-assign,assignment]
+
+    def __exit__(self, *exc: object) -> None:
+        nn.Module.register_parameter = self._register  # type: ignore[method-assign]
+
+
+def load_q4_folder(folder: Path, device: torch.device, dtype: torch.dtype, attn: str = "sdpa") -> Any:
+    """Load a folder saved with the q4 scheme: the model built from its config.json, its linear
+    layers replaced by ``Q4Linear`` where the file holds q4 tensors, every tensor read from the file.
+
+    Raises:
+        ModelLoadError: missing, unreadable or mismatched tensors (a damaged or foreign folder).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from runtime.engine.models.drafter_io import read_safetensors
+    from runtime.engine.models.q4 import Q4Linear
+
+    try:
+        config = AutoConfig.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot read the config of {folder}: {str(e).splitlines()[0]}") from e
+    state = read_safetensors(folder)
+    kw: dict[str, Any] = {"dtype": dtype}
+    if attn:
+        kw["attn_implementation"] = attn
+    with _ParamsOnMeta():
+        model: Any = AutoModelForCausalLM.from_config(config, **kw)
+    for key in [k for k in state if k.endswith(".qweight")]:
+        name = key.removesuffix(".qweight")
+        try:
+            old = model.get_submodule(name)
+        except AttributeError:
+            old = None
+        if not isinstance(old, nn.Linear):
+            raise ModelLoadError(f"{folder}: q4 tensors for {name}, which is not a linear layer of this model")
+        model.set_submodule(name, Q4Linear(old.in_features, old.out_features, old.bias is not None, dtype))
+    for k, v in state.items():
+        if v.is_floating_point() and not k.endswith((".scales", ".mins")):
+            state[k] = v.to(dtype)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    except RuntimeError as e:  # shapes that do not match the config
+        raise ModelLoadError(f"{folder}: its tensors do not fit its config.json: {str(e).splitlines()[-1]}") from e
+    if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" in missing:
+        model.tie_weights()
+        missing = [k for k in missing if k != "lm_head.weight"]
+    if missing or unexpected:
+        what = f"missing {', '.join(missing[:3])}" if missing else f"unexpected {', '.join(unexpected[:3])}"
+        raise ModelLoadError(f"{folder}: its weights do not match its config.json ({what})")
+    left = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if left:
+        raise ModelLoadError(f"{folder}: no weights for {', '.join(left[:3])}")
+    return model.to(device).eval()

@@ -61,6 +61,9 @@ NATIVE_MAX_ROWS = 128
 # test target: 1.07x at 2-5 rows against 1.2-1.5x), which is what drafting needs.
 NATIVE_F32_MIN_PARAMS = 50_000_000
 
+# what the native layers read: float32 norms and biases, bf16/int8/float32 weights, q4 (uint8 + float16)
+_POINTER_DTYPES = (torch.float32, torch.bfloat16, torch.int8, torch.uint8, torch.float16)
+
 
 def lean_supported(model: nn.Module) -> str | None:
     """Why ``LeanTarget`` cannot run ``model`` (None when it can)."""
@@ -251,8 +254,10 @@ class LeanTarget(TargetModel):
         self.rotary = inner.rotary_emb
         self.head = FusedLinear([self.lm_head], pack, f32)
         # an int8 body (--quantize int8) gets an int8 head too: in float the head would be the
-        # largest weight read per step (136M of the 0.5B coder's parameters), as in llama.cpp's Q8_0
-        self.int8 = any(lay.qkv.int8 for lay in self.lean_layers)
+        # largest weight read per step (136M of the 0.5B coder's parameters), as in llama.cpp's Q8_0;
+        # so does a q4 body (--quantize q4; 8 bits for the head, as llama.cpp's Q4_K_M keeps its
+        # output matrix at 6 bits), and the drafter beside either reads its GEMMs in int8 (int8 True)
+        self.int8 = any(lay.qkv.int8 or lay.qkv.q4 for lay in self.lean_layers)
         if self.int8 and not self.head.int8:
             self.head = FusedLinear([Int8Head(self.lm_head)], pack=False)
         self._cos = torch.empty(0)
@@ -277,8 +282,13 @@ class LeanTarget(TargetModel):
             return "needs float32 activations on a CPU"
         for lay in self.lean_layers:
             for f in (lay.qkv, lay.o, lay.gate_up, lay.down):
-                if not ((f.int8 and f.native is not None) or f.bf16 is not None or f.f32 is not None):
-                    return "a projection does not run on dflash's int8, bf16 or float32 kernel"
+                if not (
+                    (f.int8 and f.native is not None)
+                    or f.bf16 is not None
+                    or f.f32 is not None
+                    or f.q4_native is not None
+                ):
+                    return "a projection does not run on dflash's int8, bf16, float32 or q4 kernel"
         if self.head_dim > 512 or self.n_heads % self.n_kv:
             return "head shape"
         from runtime.engine.models.kernels import layers_fn
@@ -294,14 +304,15 @@ class LeanTarget(TargetModel):
         def ptr(t: torch.Tensor | None) -> int | None:
             if t is None:
                 return None
-            # norms and biases are float32 (the activations'), weights int8 or bf16
-            assert t.is_contiguous() and t.dtype in (torch.float32, torch.bfloat16, torch.int8)
+            # norms and biases are float32 (the activations'), weights int8, bf16 or q4 (uint8 + float16)
+            assert t.is_contiguous() and t.dtype in _POINTER_DTYPES
             return int(t.data_ptr())
 
         def proj(f: FusedLinear) -> Any:
             assert f.weight is not None
             n, k = f.weight.shape
-            scale = f.scale if f.int8 else None
+            k = 2 * k if f.q4 else k  # q4: two 4-bit weights per byte
+            scale = f.scale if f.int8 or f.q4 else None
             kind = f.native_kind  # Proj.kind: bf16, int8, float32 or bf16 on the AVX-512-BF16 path
             return kernels.Proj(ptr(f.weight), ptr(scale), ptr(f.bias), int(n), int(k), kind)
 
@@ -321,7 +332,8 @@ class LeanTarget(TargetModel):
                 lay.qk_eps,
                 lay.scaling,
             )
-        ffn = int(self.lean_layers[0].down.weight.shape[1])  # type: ignore[union-attr]
+        down = self.lean_layers[0].down
+        ffn = int(down.weight.shape[1]) * (2 if down.q4 else 1)  # type: ignore[union-attr]
         shape = kernels.Shape(int(self.config.hidden_size), self.n_heads, self.n_kv, self.head_dim, ffn)
         return arr, shape, kernels.layers_fn()
 

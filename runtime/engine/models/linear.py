@@ -27,6 +27,10 @@ call instead.
 Unpacked plain weights (CUDA, and CPUs where nothing packs) are fused too: one concatenated
 weight per group (the layers' weights become views into it, no extra memory), one ``F.linear``,
 split outputs: q/k/v and gate/up run as one GEMM each instead of three and two.
+
+q4 weights (``Q4Linear``, ``--quantize q4``: 4-bit values in groups of 32 with float16 scales and
+minimums, ``runtime.engine.models.q4``) are fused the same way and computed by dflash's native q4
+GEMM (row-independent like the int8 one) or, where it does not run, by the de-quantized float32 product.
 """
 
 from __future__ import annotations
@@ -42,7 +46,16 @@ from runtime.engine.models.device import cpu_has_fast_bf16
 
 
 def _plain(t: torch.Tensor | None) -> bool:
-    return t is None or type(t.data) is torch.Tensor
+    return t is None or type(getattr(t, "data", None)) is torch.Tensor  # q4 weights (Q4Weight) have no .data
+
+
+def _q4_parts(w: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(packed 4-bit values [N, K/2], the kernel's scales and minimums) of a ``Q4Linear`` weight, else None."""
+    from runtime.engine.models.q4 import Q4Weight, kernel_sm
+
+    if not isinstance(w, Q4Weight):
+        return None
+    return w.qweight.contiguous(), kernel_sm(w.scales, w.mins)
 
 
 def _int8_parts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -189,7 +202,7 @@ class FusedLinear:
             self.f32 = _native_f32()
         self.weight: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
-        self.scale: torch.Tensor | None = None  # int8 mode: per-row scales (bf16)
+        self.scale: torch.Tensor | None = None  # int8 mode: per-row scales (bf16); q4 mode: q4.kernel_sm
         parts = [_int8_parts(w) for w in weights]
         self.int8 = (
             all(p is not None for p in parts)
@@ -197,6 +210,19 @@ class FusedLinear:
             and int8_kernel_available(weights[0].device)
         )
         self.native: Any = None  # int8 mode: the compiled kernel (runtime.engine.models.kernels), else ATen's
+        q4 = [_q4_parts(w) for w in weights]
+        # q4 mode (runtime.engine.models.q4): dflash's 4-bit kernel, else the de-quantized product
+        self.q4 = all(p is not None for p in q4) and all(_plain(b) for b in biases)
+        self.q4_native: Any = None
+        if self.q4:
+            from runtime.engine.models.kernels import q4_gemm
+
+            self.q4_native = q4_gemm() if weights[0].device.type == "cpu" else None
+            with torch.no_grad():
+                self.weight = torch.cat([p[0] for p in q4 if p is not None]).contiguous()
+                self.scale = torch.cat([p[1] for p in q4 if p is not None]).contiguous()
+                bias = self._cat_bias(biases, torch.zeros(0, dtype=torch.float32, device=self.weight.device))
+                self.bias = bias.float().contiguous() if bias is not None else None
         if self.int8:
             from runtime.engine.models.kernels import int8_gemm
 
@@ -252,7 +278,9 @@ class FusedLinear:
     @property
     def native_kind(self) -> int:
         """The weights' kind for ``kernels.Proj`` (the native layers): 0 = bf16 (float32
-        activations), 1 = int8, 2 = float32, 3 = bf16 on the AVX-512-BF16 path."""
+        activations), 1 = int8, 2 = float32, 3 = bf16 on the AVX-512-BF16 path, 4 = q4."""
+        if self.q4:
+            return 4
         if self.int8:
             return 1
         if self.f32 is not None:
@@ -279,8 +307,16 @@ class FusedLinear:
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Outputs of every layer for input rows ``x`` [T, in_features] -> ([T, out_i], ...)."""
-        if torch.compiler.is_compiling() and (self.native is not None or self.bf16 is not None or self.packed):
+        if torch.compiler.is_compiling() and (
+            self.native is not None or self.bf16 is not None or self.packed or self.q4_native is not None
+        ):
             return self._traced(x)
+        if self.q4:
+            from runtime.engine.models.q4 import q4_matmul
+
+            assert self.weight is not None and self.scale is not None
+            y = q4_matmul(x, self.weight, self.scale, self.bias, self.q4_native).to(x.dtype)
+            return tuple(torch.split(y, self.sizes, dim=-1)) if len(self.sizes) > 1 else (y,)
         if self.f32 is not None:
             assert self.weight is not None
             y = kernels.f32_project(self.f32, x, self.weight, self.bias)
@@ -309,7 +345,9 @@ class FusedLinear:
         """``__call__`` under ``torch.compile``: the same kernels as custom operators
         (``runtime.engine.models.kernels.ops``), which the compiler keeps as opaque calls."""
         ops = torch.ops.dflash
-        if self.native is not None:
+        if self.q4_native is not None:
+            y = ops.q4_gemm(x.float().contiguous(), self.weight, self.scale, self.bias).to(x.dtype)
+        elif self.native is not None:
             y = ops.int8_gemm(x.float().contiguous(), self.weight, self.scale, self.bias).to(x.dtype)
         elif self.bf16 is not None and self.bf16_path == "dflash-avx512bf16":
             y = ops.bf16dp_gemm(x.float().contiguous(), self.weight, self.bias).to(x.dtype)

@@ -16,7 +16,12 @@
   float32's bytes a step of a few rows runs out of arithmetic sooner than with bf16 or int8 weights,
   so this one shares loads across a tile instead of streaming one weight row at a time.
 
-All four read each weight row once per call for all rows of a verify block, and compute every row
+- ``q4_gemm``: 4-bit weights in groups of 32 with a float16 scale and minimum each (``q4.c``,
+  dflash's ``q4`` scheme, ``runtime.engine.models.q4``) x activations rounded per row to 15-bit
+  integers: exact integer sums per group, float32 across groups. AVX2, or AVX-512 VNNI where the CPU
+  has it (``q4_isa``): the same float operations lane for lane, identical results.
+
+All five read each weight row once per call for all rows of a verify block, and compute every row
 exactly as it would alone (the lossless contract of greedy DFlash).
 
 The shared library is built with the system C compiler (``cc``, ``gcc`` or ``clang`` on PATH) into
@@ -52,11 +57,12 @@ from typing import Any
 import torch
 
 SOURCE = Path(__file__).with_name("gemm.c")
-SOURCES = (SOURCE, Path(__file__).with_name("layers.c"))
-FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
+SOURCES = (SOURCE, Path(__file__).with_name("layers.c"), Path(__file__).with_name("q4.c"))
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
 
 Int8Gemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 Bf16Gemm = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+Q4Gemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 _loaded: dict[str, Any] = {}
 _why_not: dict[str, str] = {}
@@ -86,8 +92,8 @@ def _cpu_ok() -> str | None:
         flags = Path("/proc/cpuinfo").read_text().split()
     except OSError:
         return "cannot read /proc/cpuinfo"
-    if "avx2" not in flags or "fma" not in flags:
-        return "this CPU has no AVX2/FMA"
+    if "avx2" not in flags or "fma" not in flags or "f16c" not in flags:
+        return "this CPU has no AVX2/FMA/F16C"
     return None
 
 
@@ -121,6 +127,8 @@ SYMBOLS = (
     "dflash_bf16dp_gemm",
     "dflash_f32_gemm",
     "dflash_layers",
+    "dflash_q4_isa",
+    "dflash_q4_gemm",
 )
 ELF = b"\x7fELF"
 
@@ -344,6 +352,32 @@ def int8_gemm() -> Int8Gemm | None:
     return fn
 
 
+def q4_gemm() -> Q4Gemm | None:
+    """The compiled 4-bit GEMM (``q4.c``), ``f(x [M, K] f32, w [N, K/2] uint8, sm [N, 2 Gp] f16,
+    bias [N] f32 | None) -> y [M, N] f32`` (``runtime.engine.models.q4`` describes the format and
+    builds ``sm``: ``kernel_sm``), or
+    None where it cannot run here (see ``why_not``)."""
+    fn: Q4Gemm | None = _kernel("q4", "dflash_q4_gemm", _wrap_q4, "PyTorch's de-quantized matmul")
+    return fn
+
+
+def q4_isa(want: str | None = None) -> str:
+    """The 4-bit kernel's instruction set: "avx2", or "avx512vnni" where the CPU has AVX-512 VNNI
+    (the default there); ``want`` switches it for this process ("avx2", or "best"). Both give
+    identical results. "off" where the library does not run."""
+    lib = _library()
+    if lib is None:
+        return "off"
+    fn = lib.dflash_q4_isa
+    fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_int]
+    if want is not None:
+        _loaded["q4_isa"] = _ISAS[fn(0 if want == "avx2" else -1)]
+    elif "q4_isa" not in _loaded:
+        _loaded["q4_isa"] = _ISAS[fn(-1)]
+    isa: str = _loaded["q4_isa"]
+    return isa
+
+
 def bf16_gemm() -> Bf16Gemm | None:
     """The compiled bf16-weight GEMM, ``f(x [M, K] f32, w [N, K] bf16, bias [N] f32 | None) -> y [M, N]
     f32``, or None where it cannot run here (see ``why_not``)."""
@@ -382,7 +416,8 @@ def f32_gemm() -> Bf16Gemm | None:
 
 
 class Proj(ctypes.Structure):
-    """One projection of ``layers.c``: weights [n, k] (int8 + per-row scales, bf16 or float32), bias or NULL."""
+    """One projection of ``layers.c``: weights [n, k] (int8 + per-row scales, bf16, float32 or q4 + its
+    scales and minimums), bias or NULL."""
 
     _fields_ = [
         ("w", ctypes.c_void_p),
@@ -390,7 +425,8 @@ class Proj(ctypes.Structure):
         ("bias", ctypes.c_void_p),
         ("n", ctypes.c_int64),
         ("k", ctypes.c_int64),
-        ("kind", ctypes.c_int64),  # weights: 0 = bf16, 1 = int8, 2 = float32, 3 = bf16 on the AVX-512-BF16 path
+        # weights: 0 = bf16, 1 = int8, 2 = float32, 3 = bf16 on the AVX-512-BF16 path, 4 = q4 (scale: its sm)
+        ("kind", ctypes.c_int64),
     ]
 
 
@@ -571,6 +607,41 @@ def _wrap_int8(c_fn: ctypes._NamedFuncPointer) -> Int8Gemm:
         )
         if rc != 0:
             raise MemoryError(f"int8 GEMM: no memory for a {m}x{k} activation buffer")
+        return y
+
+    return gemm
+
+
+def _wrap_q4(c_fn: ctypes._NamedFuncPointer) -> Q4Gemm:
+    c_fn.restype = ctypes.c_int
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    c_fn.argtypes = [p, i64, i64, p, p, p, i64, p, ctypes.c_int]
+    name = "q4 GEMM"
+
+    def gemm(x: torch.Tensor, w: torch.Tensor, sm: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        x = _f32(name, x)
+        m, k = x.shape
+        if k % 32 != 0:
+            raise ValueError(f"{name}: K must be a multiple of 32, got {k}")
+        _need(name, "w", w, torch.uint8, (-1, k // 2))
+        n = w.shape[0]
+        _need(name, "sm", sm, torch.float16, (n, 2 * 8 * ((k // 32 + 7) // 8)))
+        if bias is not None:
+            _need(name, "bias", bias, torch.float32, (n,))
+        y = torch.empty((m, n), dtype=torch.float32)
+        rc = c_fn(
+            x.data_ptr(),
+            m,
+            k,
+            w.data_ptr(),
+            sm.data_ptr(),
+            bias.data_ptr() if bias is not None else None,
+            n,
+            y.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise MemoryError(f"{name}: no memory for a {m}x{k} activation buffer")
         return y
 
     return gemm

@@ -23,6 +23,19 @@ def _(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor 
     return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32)
 
 
+@torch.library.custom_op("dflash::q4_gemm", mutates_args=())
+def q4_gemm(x: torch.Tensor, w: torch.Tensor, sm: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """dflash's 4-bit GEMM (``kernels.q4_gemm``): y [M, N] float32."""
+    fn = kernels.q4_gemm()
+    assert fn is not None
+    return fn(x, w, sm, bias)
+
+
+@q4_gemm.register_fake
+def _(x: torch.Tensor, w: torch.Tensor, sm: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32)
+
+
 @torch.library.custom_op("dflash::bf16_gemm", mutates_args=())
 def bf16_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """dflash's bf16-weight GEMM (``kernels.bf16_gemm``): y [M, N] float32."""
