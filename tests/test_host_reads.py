@@ -13,7 +13,9 @@ import torch
 from runtime.config import SamplingParams
 from runtime.engine import chain_decoder, plain_decoder, transfer, tree_decoder
 from runtime.engine.events import BlockVerified
+from runtime.engine.models.bucketed_target import BucketedTarget
 from runtime.engine.models.lean_target import LeanTarget
+from runtime.engine.propose_bucketed import BucketedProposer
 from tests.fakes import make_drafter, make_target
 from tests.test_copy_inputs import add_copy_inputs
 
@@ -96,3 +98,22 @@ def test_tree_steps_read_the_device_twice_with_copy_inputs_and_lookup(target, mo
         reads, other = per_step(decoder, monkeypatch)
         assert reads and max(reads) == 2 and min(reads) >= 1, reads  # 1: a last step with nothing to draft
         assert other == {}, other
+
+
+@pytest.mark.parametrize("kind", ["chain", "tree", "tree+lookup"])
+def test_the_bucketed_step_reads_the_device_as_little(kind, monkeypatch):
+    """The capturable step (``--engine bucketed``, the CUDA path): one read per chain step, at most
+    two per tree step (with copy inputs and the context lookup), nothing else read."""
+    bucketed = BucketedTarget(make_target("qwen3", vocab_size=96, seed=3))
+    copy = add_copy_inputs(make_drafter(bucketed.config, block_size=4, taps=[0, 2, 3]), (1, 4))
+    if kind == "chain":
+        decoder = chain_decoder(bucketed, copy, block_size=4)
+    else:
+        decoder = tree_decoder(bucketed, copy, block_size=4, tree_budget=6, lookup=8 if "lookup" in kind else 0)
+    assert isinstance(decoder.proposer, BucketedProposer)
+    reads, other = per_step(decoder, monkeypatch)
+    if kind == "chain":
+        assert reads and set(reads) == {1}, reads
+    else:
+        assert reads and max(reads) == 2 and min(reads) >= 1, reads
+    assert other == {}, other
