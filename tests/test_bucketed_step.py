@@ -265,3 +265,27 @@ def test_the_cli_runs_the_bucketed_step_and_refuses_an_unknown_compile_mode(fixt
         bad.stderr.strip()
         == "dflash: error: unknown compile setting 'fast'; use auto, off, on, default, reduce-overhead"
     )
+
+
+def test_the_calibration_key_names_the_bucketed_engine_and_its_compiled_step(model):
+    """Verify costs are measured per engine: the bucketed step's are its own (not the lean or
+    transformers forward's), and its compiled step's are labelled "+compiled", apart from eager."""
+    from runtime.engine.calibrate import cache_key
+    from runtime.engine.models.target import TargetModel
+
+    class Pipe:
+        drafter = None
+        block_size = 1
+
+        def __init__(self, target):
+            self.target = target
+
+        def describe(self):
+            return {"target": "t", "device": "cpu", "dtype": "float32", "quantization": None}
+
+    eager, compiled = BucketedTarget(model), BucketedTarget(model)
+    compiled.compile()
+    keys = [cache_key(Pipe(t)) for t in (eager, compiled, LeanTarget(model), TargetModel(model))]
+    engines = [k.split("|")[2] for k in keys]
+    assert engines[1] == engines[0] + "+compiled" and "compiled" not in engines[0], engines
+    assert len(set(engines)) == 4, engines

@@ -252,7 +252,7 @@ def _interpolate(measured: dict[int, float], top: int) -> list[float]:
 
 
 def cache_key(pipeline: Any) -> str:
-    """Identity of a measurement: model, quantization scheme, target forward (lean or transformers,
+    """Identity of a measurement: model, quantization scheme, target forward (lean, bucketed or transformers; compiled or not;
     and which native CPU kernels it runs), drafter shape, device, dtype, threads, torch version,
     measuring method."""
     d = pipeline.describe()
@@ -263,12 +263,12 @@ def cache_key(pipeline: Any) -> str:
         else "none"
     )
     quant = d.get("quantization") or "none"
-    engine = "lean" if type(pipeline.target).__name__ == "LeanTarget" else "hf"
+    engine = {"LeanTarget": "lean", "BucketedTarget": "bucketed"}.get(type(pipeline.target).__name__, "hf")
     if engine == "lean" and d["device"].startswith("cpu"):
         from runtime.engine.models import kernels
 
         engine += "+" + kernels.identity()
-    if getattr(pipeline.target, "_compiled", None) is not None:
+    if getattr(pipeline.target, "is_compiled", False):
         engine += "+compiled"
     parts = [
         d["target"],

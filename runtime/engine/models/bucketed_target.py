@@ -140,6 +140,11 @@ class BucketedTarget(LeanTarget):
         verify on; the prompt stays eager."""
         self.verify_step.compile(mode or "default")
 
+    @property
+    def is_compiled(self) -> bool:
+        """Whether verifies run the compiled bucket step now (False again after a failed compilation)."""
+        return self.verify_step.compiled is not None
+
     def forward(
         self,
         input_ids: torch.Tensor,

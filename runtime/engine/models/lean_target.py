@@ -527,6 +527,11 @@ class LeanTarget(TargetModel):
 
         self._compiled = torch.compile(self._body, dynamic=True, mode=mode)
 
+    @property
+    def is_compiled(self) -> bool:
+        """Whether forwards run compiled now (False again after a failed compilation)."""
+        return self._compiled is not None
+
     def _compile_failed(self, e: Exception) -> None:
         import sys
 
