@@ -3,7 +3,7 @@
 Only the CLI reads environment variables:
   DFLASH_ENGINE    the target forward: auto (default), lean or hf (same as --engine on run/bench)
   DFLASH_COMPILE   torch.compile the target forward: on/default, reduce-overhead (CUDA graphs), or
-                   off/auto (default: eager); same as --compile on run
+                   off/auto (default: eager); same as --compile on run, bench, chat and serve
   DFLASH_HOME      dflash's data root (default: the platform user cache dir, e.g. ~/.cache/dflash)
   DFLASH_DEBUG=1   show full tracebacks instead of one-line errors
   DFLASH_NATIVE=0  do not build or use dflash's native CPU kernels (int8 GEMM; ATen's are used)

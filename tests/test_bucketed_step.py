@@ -289,3 +289,21 @@ def test_the_calibration_key_names_the_bucketed_engine_and_its_compiled_step(mod
     engines = [k.split("|")[2] for k in keys]
     assert engines[1] == engines[0] + "+compiled" and "compiled" not in engines[0], engines
     assert len(set(engines)) == 4, engines
+
+
+@pytest.mark.parametrize("command", ["bench", "chat", "serve"])
+def test_bench_chat_and_serve_take_compile_and_refuse_an_unknown_mode(fixture_dir, command):
+    """``--compile`` on bench, chat and serve as on run (not only DFLASH_COMPILE): a bad value exits 2
+    with one line, before any model loads."""
+    from typer.testing import CliRunner
+
+    from dflash_cli.app import app
+
+    pair = ["--target", str(fixture_dir / "target"), "--drafter", str(fixture_dir / "drafter")]
+    bad = CliRunner().invoke(app, [command, *pair, "--compile", "fast"])
+    assert bad.exit_code == 2, bad.output
+    assert bad.stdout == ""
+    assert (
+        bad.stderr.strip()
+        == "dflash: error: unknown compile setting 'fast'; use auto, off, on, default, reduce-overhead"
+    )

@@ -18,6 +18,7 @@ from typing import Annotated, Any
 import typer
 
 from ..common import (
+    CompileOpt,
     ConfidenceCutOpt,
     DeviceOpt,
     DrafterOpt,
@@ -180,6 +181,7 @@ def bench(
     quantize: QuantizeOpt = None,
     threads: ThreadsOpt = None,
     engine: EngineOpt = None,
+    compile_mode: CompileOpt = None,
     server: ServerOpt = None,
     llama_infill: Annotated[
         str | None,
@@ -215,7 +217,7 @@ def bench(
             [flag for flag, given in ignored.items() if given],
             session=None
             if server
-            else (model, target, drafter, device, dtype, offline, revision, quantize, threads, engine),
+            else (model, target, drafter, device, dtype, offline, revision, quantize, threads, engine, compile_mode),
             server=server,
             llama_infill=llama_infill,
             limit=limit,
@@ -292,7 +294,17 @@ def bench(
         from runtime.bench.runner import run_bench
 
         session = session_options(
-            model, target, drafter, device, dtype, offline, revision, quantize, threads, engine=engine
+            model,
+            target,
+            drafter,
+            device,
+            dtype,
+            offline,
+            revision,
+            quantize,
+            threads,
+            engine=engine,
+            compile=compile_mode,
         )
         pipe = open_pipeline(session)
         warn_block_size(pipe, sizes)
@@ -384,9 +396,21 @@ def _bench_fim(
     pipe = None
     quantize = None
     if session is not None:
-        model, target, drafter, device, dtype, offline, revision, quantize, threads, engine = session
+        model, target, drafter, device, dtype, offline, revision, quantize, threads, engine, compile_mode = session
         pipe = open_pipeline(
-            session_options(model, target, drafter, device, dtype, offline, revision, quantize, threads, engine=engine)
+            session_options(
+                model,
+                target,
+                drafter,
+                device,
+                dtype,
+                offline,
+                revision,
+                quantize,
+                threads,
+                engine=engine,
+                compile=compile_mode,
+            )
         )
         warn_block_size(pipe, sizes)
         if pipe.drafter is None:

@@ -19,6 +19,7 @@ import typer
 from ..common import (
     BlockSizeOpt,
     CacheSlotsOpt,
+    CompileOpt,
     ConfidenceCutOpt,
     DecoderChoice,
     DecoderOpt,
@@ -120,6 +121,7 @@ def chat(
     revision: RevisionOpt = None,
     quantize: QuantizeOpt = None,
     threads: ThreadsOpt = None,
+    compile_mode: CompileOpt = None,
     server: ServerOpt = None,
 ) -> None:
     """Chat in a full-screen terminal app; tokens are coloured by origin, with live statistics."""
@@ -175,6 +177,7 @@ def chat(
         server,
         opts,
         cache_slots=cache_slots,
+        compile=compile_mode,
     )
     resume_id = _resume_id(resume, db) if resume is not None else None
     if not interactive():

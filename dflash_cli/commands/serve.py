@@ -22,6 +22,7 @@ import typer
 from ..common import (
     BlockSizeOpt,
     CacheSlotsOpt,
+    CompileOpt,
     ConfidenceCutOpt,
     DecoderChoice,
     DecoderOpt,
@@ -197,6 +198,7 @@ def serve(
     lookup: LookupOpt = None,
     confidence_cut: ConfidenceCutOpt = None,
     cache_slots: CacheSlotsOpt = None,
+    compile_mode: CompileOpt = None,
     decoder: DecoderOpt = DecoderChoice.dflash,
     draft_tokens: Annotated[
         int | None,
@@ -261,7 +263,17 @@ def serve(
     )
     api_key = os.environ.get("DFLASH_API_KEY", "").strip() or None
     session = session_options(
-        model, target, drafter, device, dtype, offline, revision, quantize, threads, cache_slots=cache_slots
+        model,
+        target,
+        drafter,
+        device,
+        dtype,
+        offline,
+        revision,
+        quantize,
+        threads,
+        cache_slots=cache_slots,
+        compile=compile_mode,
     )
     sock = _bind(host, port)
     try:
