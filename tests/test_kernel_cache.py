@@ -170,7 +170,10 @@ def test_a_library_missing_a_symbol_is_not_used(clean, tmp_path):
     line says so and the decode runs on PyTorch's layers with the same text."""
     home = tmp_path / "home"
     shutil.copytree(clean[0], home)
-    code = "from runtime.engine.models import kernels\nkernels.SYMBOLS = (*kernels.SYMBOLS, 'dflash_not_there')\n" + DECODE
+    code = (
+        "from runtime.engine.models.kernels import build\nbuild.SYMBOLS = (*build.SYMBOLS, 'dflash_not_there')\n"
+        + DECODE
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(home), cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])

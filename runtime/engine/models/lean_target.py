@@ -8,7 +8,7 @@ decode step's cost on a CPU:
   instead of re-laying out bf16 weights on every call (``runtime.engine.models.linear``); int8 weights
   (``--quantize int8``) are fused the same way and read directly by ATen's int8 GEMM, and the
   output head then runs in int8 as well;
-- a static KV cache (``StaticKVCache``): fixed capacity, new entries written in place, cropping
+- a static KV cache (``StaticKVCache``, ``static_cache.py``): fixed capacity, new entries written in place, cropping
   moves a length, compaction keeps chosen slots (tree verification);
 - tapped layer outputs are collected inline (no forward hooks) and logits are computed only for
   the rows asked for;
@@ -32,7 +32,6 @@ activations) stay on ``TargetModel``: see ``lean_supported``.
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,8 +40,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.engine.models.bf16_choice import choose_bf16
+from runtime.engine.models.lean_layers import _CastEmbedding, _Layer, _rms, _rotate_half, native_stack
 from runtime.engine.models.linear import FusedLinear, Int8Head
+from runtime.engine.models.static_cache import StaticKVCache
 from runtime.engine.models.target import TargetModel
+
+__all__ = [
+    "NATIVE_F32_MIN_PARAMS",
+    "NATIVE_MAX_ROWS",
+    "LeanTarget",
+    "StaticKVCache",
+    "lean_supported",
+    "_rms",
+    "_rotate_half",
+]
 
 _FAMILIES = ("llama", "qwen2", "qwen3")
 
@@ -60,9 +71,6 @@ NATIVE_MAX_ROWS = 128
 # each row, and oneDNN's kernel keeps a verify of a few rows close to one row's cost (a 64-wide
 # test target: 1.07x at 2-5 rows against 1.2-1.5x), which is what drafting needs.
 NATIVE_F32_MIN_PARAMS = 50_000_000
-
-# what the native layers read: float32 norms and biases, bf16/int8/float32 weights, q4 (uint8 + float16)
-_POINTER_DTYPES = (torch.float32, torch.bfloat16, torch.int8, torch.uint8, torch.float16)
 
 
 def lean_supported(model: nn.Module) -> str | None:
@@ -84,120 +92,6 @@ def lean_supported(model: nn.Module) -> str | None:
     if len(devices) > 1:
         return f"its layers are spread over {', '.join(devices)} and the lean forward runs on one device"
     return None
-
-
-class StaticKVCache:
-    """Per-layer K/V of fixed capacity: [1, kv_heads, capacity, head_dim] each.
-
-    ``length`` entries are valid; writing past ``capacity`` grows the buffers (doubling, a copy).
-    Cropping only moves ``length``; the stale entries beyond it are overwritten by later writes.
-    """
-
-    def __init__(
-        self, layers: int, kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype, device: torch.device
-    ) -> None:
-        shape = (1, kv_heads, max(capacity, 16), head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.length = 0
-        self._pointers: tuple[Any, Any] | None = None
-
-    @property
-    def capacity(self) -> int:
-        """Entries the buffers hold before they grow."""
-        return int(self.k[0].shape[2])
-
-    def pointers(self) -> tuple[Any, Any]:
-        """Addresses of every layer's K and V buffers (ctypes arrays, for ``kernels/layers.c``);
-        built once per set of buffers (``reserve`` replaces them)."""
-        if self._pointers is None:
-            n = len(self.k)
-            self._pointers = (
-                (ctypes.c_void_p * n)(*[t.data_ptr() for t in self.k]),
-                (ctypes.c_void_p * n)(*[t.data_ptr() for t in self.v]),
-            )
-        return self._pointers
-
-    def get_seq_length(self) -> int:
-        """Valid entries (the transformers ``Cache`` spelling, used by ``cache_len``)."""
-        return self.length
-
-    def reserve(self, n: int) -> None:
-        """Make room for ``n`` entries in total."""
-        if n <= self.capacity:
-            return
-        new = max(n, 2 * self.capacity)
-        for buf in (self.k, self.v):
-            for i, t in enumerate(buf):
-                grown = t.new_zeros((*t.shape[:2], new, t.shape[3]))
-                grown[:, :, : self.length] = t[:, :, : self.length]
-                buf[i] = grown
-        self._pointers = None
-
-    def crop(self, keep: int) -> None:
-        """Keep the first ``keep`` entries."""
-        if keep > self.length:
-            raise ValueError(f"cannot crop a cache of {self.length} tokens to {keep}")
-        self.length = keep
-
-    def keep(self, start: int, offsets: torch.Tensor) -> None:
-        """Keep entries [0, start) plus ``start + offsets`` (in that order), e.g. an accepted tree path.
-
-        Args:
-            start: entries before it stay as they are.
-            offsets: [n] long, slots after ``start`` to keep, ascending.
-        """
-        n = int(offsets.numel())
-        src = offsets.to(self.k[0].device) + start
-        for buf in (self.k, self.v):
-            for t in buf:
-                t[:, :, start : start + n] = t.index_select(2, src)
-        self.length = start + n
-
-
-def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # as transformers: normalise in float32, cast back, then scale
-    dtype = x.dtype
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-class _CastEmbedding:
-    """The target's input embedding, looked up in its weight dtype and returned in ``dtype`` (the
-    activations'); ``weight`` is the embedding's own (borrowed by the drafter and by training)."""
-
-    def __init__(self, embed: nn.Embedding, dtype: torch.dtype) -> None:
-        self.inner, self.weight, self.dtype = embed, embed.weight, dtype
-
-    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.inner(ids).to(self.dtype)
-
-
-class _Layer:
-    """One decoder layer's weights, read from the transformers module."""
-
-    def __init__(self, layer: Any, pack: bool, act: torch.dtype, native_f32: bool = False) -> None:
-        # a transformers decoder layer (dynamic attributes: typed Any)
-        attn, mlp = layer.self_attn, layer.mlp
-        self.qkv = FusedLinear([attn.q_proj, attn.k_proj, attn.v_proj], pack, native_f32)
-        self.o = FusedLinear([attn.o_proj], pack, native_f32)
-        self.gate_up = FusedLinear([mlp.gate_proj, mlp.up_proj], pack, native_f32)
-        self.down = FusedLinear([mlp.down_proj], pack, native_f32)
-        self.ln1 = layer.input_layernorm.weight.detach().to(act)
-        self.ln2 = layer.post_attention_layernorm.weight.detach().to(act)
-        self.eps1 = float(layer.input_layernorm.variance_epsilon)
-        self.eps2 = float(layer.post_attention_layernorm.variance_epsilon)
-        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-        self.q_norm = q_norm.weight.detach().to(act) if q_norm is not None else None
-        self.k_norm = k_norm.weight.detach().to(act) if k_norm is not None else None
-        self.qk_eps = float(q_norm.variance_epsilon) if q_norm is not None else 0.0
-        self.scaling = float(attn.scaling)
 
 
 class LeanTarget(TargetModel):
@@ -245,7 +139,9 @@ class LeanTarget(TargetModel):
         attn0: Any = self.layers[0].self_attn
         self.head_dim = int(attn0.head_dim)
         f32 = weights == torch.float32 and (
-            native_f32 if native_f32 is not None else sum(p.numel() for p in model.parameters()) >= NATIVE_F32_MIN_PARAMS
+            native_f32
+            if native_f32 is not None
+            else sum(p.numel() for p in model.parameters()) >= NATIVE_F32_MIN_PARAMS
         )
         self.lean_layers = [_Layer(layer, pack, act, f32) for layer in self.layers]
         inner: Any = model.model
@@ -299,43 +195,7 @@ class LeanTarget(TargetModel):
 
     def _native_stack(self) -> tuple[Any, Any, Any]:
         """The ctypes description of every layer (pointers into tensors this object keeps)."""
-        from runtime.engine.models import kernels
-
-        def ptr(t: torch.Tensor | None) -> int | None:
-            if t is None:
-                return None
-            # norms and biases are float32 (the activations'), weights int8, bf16 or q4 (uint8 + float16)
-            assert t.is_contiguous() and t.dtype in _POINTER_DTYPES
-            return int(t.data_ptr())
-
-        def proj(f: FusedLinear) -> Any:
-            assert f.weight is not None
-            n, k = f.weight.shape
-            k = 2 * k if f.q4 else k  # q4: two 4-bit weights per byte
-            scale = f.scale if f.int8 or f.q4 else None
-            kind = f.native_kind  # Proj.kind: bf16, int8, float32 or bf16 on the AVX-512-BF16 path
-            return kernels.Proj(ptr(f.weight), ptr(scale), ptr(f.bias), int(n), int(k), kind)
-
-        arr = (kernels.Layer * len(self.lean_layers))()
-        for i, lay in enumerate(self.lean_layers):
-            arr[i] = kernels.Layer(
-                proj(lay.qkv),
-                proj(lay.o),
-                proj(lay.gate_up),
-                proj(lay.down),
-                ptr(lay.ln1),
-                ptr(lay.ln2),
-                ptr(lay.q_norm),
-                ptr(lay.k_norm),
-                lay.eps1,
-                lay.eps2,
-                lay.qk_eps,
-                lay.scaling,
-            )
-        down = self.lean_layers[0].down
-        ffn = int(down.weight.shape[1]) * (2 if down.q4 else 1)  # type: ignore[union-attr]
-        shape = kernels.Shape(int(self.config.hidden_size), self.n_heads, self.n_kv, self.head_dim, ffn)
-        return arr, shape, kernels.layers_fn()
+        return native_stack(self.lean_layers, int(self.config.hidden_size), self.n_heads, self.n_kv, self.head_dim)
 
     @property
     def dtype(self) -> torch.dtype:

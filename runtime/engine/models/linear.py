@@ -43,6 +43,8 @@ from torch import nn
 
 from runtime.engine.models import kernels
 from runtime.engine.models.device import cpu_has_fast_bf16
+from runtime.engine.models.int8_head import Int8Head as Int8Head  # re-exported (lean_target, draft_head)
+from runtime.engine.models.int8_head import Int8RowWise as Int8RowWise
 
 
 def _plain(t: torch.Tensor | None) -> bool:
@@ -127,8 +129,6 @@ def _native_bf16() -> Any:
     return _bf16_kernel(current_bf16_path())
 
 
-
-
 def _native_f32() -> Any:
     """dflash's float32 GEMM for decode and verify steps on a CPU (else None: not built here, or
     switched off with ``DFLASH_NATIVE=0``)."""
@@ -140,32 +140,6 @@ def _native_f32() -> Any:
 def int8_kernel_available(device: torch.device) -> bool:
     """Whether ATen's int8 weight-only GEMM runs on ``device`` (CPU builds of torch >= 2.3)."""
     return device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int8pack_mm")
-
-
-class Int8RowWise:
-    """A symmetric per-row int8 copy of a float weight (``qdata``, ``scale``: what ``FusedLinear``
-    reads of a torchao ``Int8Tensor``), for a layer the quantizer leaves in float (the output head)."""
-
-    def __init__(self, weight: torch.Tensor) -> None:
-        w = weight.detach().float()
-        scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
-        self.qdata = torch.round(w / scale[:, None]).clamp(-128, 127).to(torch.int8)
-        self.scale = scale
-        self.shape = self.qdata.shape
-        self.device = weight.device
-
-
-class Int8Head:
-    """An output head computed with int8 weights (module-like: ``weight``, ``bias``, call)."""
-
-    def __init__(self, linear: Any) -> None:
-        self.weight = Int8RowWise(linear.weight)
-        self.bias = getattr(linear, "bias", None)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        y = (x.float() @ (w.qdata.float() * w.scale[:, None]).T).to(x.dtype)  # the reference math
-        return y + self.bias if self.bias is not None else y
 
 
 class FusedLinear:

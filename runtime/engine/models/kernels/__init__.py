@@ -36,33 +36,59 @@ shape and layout of every tensor they hand to C (``ValueError`` otherwise). Wher
 there is no compiler, no AVX2/FMA, or native kernels are switched off (``configure(enabled=False)``;
 the CLI's ``DFLASH_NATIVE=0``), ``int8_gemm()`` returns None and callers use ATen's kernel instead
 (one line on stderr says why).
+
+The build and cache machinery lives in ``build``, the GEMM wrappers in ``wrappers``, the decoder-layer
+stack's structures and wrapper in ``layers``; this module holds the process-wide settings and the
+loaded kernels, and hands them out.
 """
 
 from __future__ import annotations
 
 import ctypes
-import fcntl
-import hashlib
-import json
-import os
-import shutil
-import subprocess
 import sys
-import tempfile
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-SOURCE = Path(__file__).with_name("gemm.c")
-SOURCES = (SOURCE, Path(__file__).with_name("layers.c"), Path(__file__).with_name("q4.c"))
-FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
+from runtime.engine.models.kernels.build import FLAGS, SOURCE, SOURCES, _compiler, _cpu_ok, _load, _source_key
+from runtime.engine.models.kernels.layers import Layer, LayersFn, Proj, Shape, _wrap_layers
+from runtime.engine.models.kernels.wrappers import Bf16Gemm, Int8Gemm, Q4Gemm, _wrap_float, _wrap_int8, _wrap_q4
 
-Int8Gemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
-Bf16Gemm = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
-Q4Gemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+__all__ = [
+    "FLAGS",
+    "SOURCE",
+    "SOURCES",
+    "F32_NATIVE_MAX_ROWS",
+    "Bf16Gemm",
+    "Int8Gemm",
+    "Layer",
+    "LayersFn",
+    "Proj",
+    "Q4Gemm",
+    "Shape",
+    "bf16_gemm",
+    "bf16dp_gemm",
+    "bf16dp_supported",
+    "cache_dir",
+    "configure",
+    "f32_gemm",
+    "f32_project",
+    "identity",
+    "int8_gemm",
+    "int8_isa",
+    "layers_fn",
+    "note_bf16_path",
+    "q4_gemm",
+    "q4_isa",
+    "source_key",
+    "why_not",
+    "_compiler",
+    "_cpu_ok",
+    "_wrap_float",
+]
 
 _loaded: dict[str, Any] = {}
 _why_not: dict[str, str] = {}
@@ -85,202 +111,10 @@ def cache_dir() -> Path:
     return Path(cache) if cache is not None else Path.home() / ".cache" / "dflash" / "kernels"
 
 
-def _cpu_ok() -> str | None:
-    if sys.platform != "linux" or os.uname().machine not in ("x86_64", "AMD64"):
-        return "not an x86-64 Linux machine"
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return "cannot read /proc/cpuinfo"
-    if "avx2" not in flags or "fma" not in flags or "f16c" not in flags:
-        return "this CPU has no AVX2/FMA/F16C"
-    return None
-
-
-def _compiler() -> str | None:
-    for name in ("cc", "gcc", "clang"):
-        if shutil.which(name):
-            return name
-    return None
-
-
-def _compiler_id(cc: str | None) -> str | None:
-    """Which compiler ``cc`` is (its resolved path, size and modification time: an upgrade changes
-    it); None without one."""
-    path = shutil.which(cc) if cc is not None else None
-    if path is None:
-        return None
-    real = os.path.realpath(path)
-    try:
-        st = os.stat(real)
-    except OSError:
-        return real
-    return f"{real}:{st.st_size}:{st.st_mtime_ns}"
-
-
-# Every symbol dflash calls in the library: one that lacks any of them is not used.
-SYMBOLS = (
-    "dflash_int8_isa",
-    "dflash_int8_gemm",
-    "dflash_bf16_gemm",
-    "dflash_bf16dp_supported",
-    "dflash_bf16dp_gemm",
-    "dflash_f32_gemm",
-    "dflash_layers",
-    "dflash_q4_isa",
-    "dflash_q4_gemm",
-)
-ELF = b"\x7fELF"
-
-
-def _record_path(lib_path: Path) -> Path:
-    """The build record beside a cached library: its sha256, the source key and the compiler."""
-    return lib_path.with_name(lib_path.name + ".json")
-
-
-def _build(dest: Path) -> str | None:
-    """Compile the kernels to ``dest`` and write its build record; None on success, else the reason.
-
-    The library is renamed into place atomically (concurrent processes never load a half-written
-    file), then its record is written (atomically too): a library without a matching record is
-    never loaded."""
-    cc = _compiler()
-    if cc is None:
-        return "no C compiler (cc, gcc or clang) on PATH"
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
-        out = Path(tmp) / dest.name
-        cmd = [cc, *FLAGS, *(str(src) for src in SOURCES), "-o", str(out)]
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        if r.returncode != 0:
-            return f"{cc} failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}"
-        data = out.read_bytes()
-        if not data.startswith(ELF):
-            return f"{cc} wrote no shared library"
-        record = {"sha256": hashlib.sha256(data).hexdigest(), "source": _source_hash(), "compiler": _compiler_id(cc)}
-        rec = Path(tmp) / "record.json"
-        rec.write_text(json.dumps(record))
-        out.replace(dest)
-        rec.replace(_record_path(dest))
-    return None
-
-
-def _source_hash() -> str:
-    return hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES) + " ".join(FLAGS).encode()).hexdigest()
-
-
-def _source_key() -> str:
-    return _source_hash()[:16]
-
-
 def source_key() -> str:
     """Which native kernels this process would run ("<hash of source and flags>", or "off" where they
     are switched off), without building or loading them."""
     return _source_key() if _settings["enabled"] else "off"
-
-
-def _check(data: bytes, lib_path: Path) -> str | None:
-    """Why the bytes read from ``lib_path`` are not the library this source, compiler and flags
-    built (None: they are): checked before the library is loaded, so that a truncated, overwritten
-    or foreign file never runs."""
-    try:
-        record = json.loads(_record_path(lib_path).read_text())
-    except FileNotFoundError:
-        return "no build record"
-    except (OSError, UnicodeDecodeError, ValueError):
-        return "unreadable build record"
-    if not isinstance(record, dict):
-        return "unreadable build record"
-    if record.get("source") != _source_hash():
-        return "built from another source"
-    compiler = _compiler_id(_compiler())
-    if compiler is not None and record.get("compiler") != compiler:
-        return "built by another compiler"
-    if record.get("sha256") != hashlib.sha256(data).hexdigest():
-        return "damaged: its sha256 differs from its build record"
-    if not data.startswith(ELF):
-        return "not a shared library"
-    return None
-
-
-def _remove(lib_path: Path) -> None:
-    for path in (lib_path, _record_path(lib_path)):
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            pass
-
-
-def _open(lib_path: Path) -> tuple[ctypes.CDLL | None, str | None, bool]:
-    """(library, None, _) where ``lib_path`` holds this build's library, else (None, why, rebuild:
-    whether building again may help). The bytes checked are the bytes loaded: the library is opened
-    through the file descriptor it was read from."""
-    try:
-        fd = os.open(lib_path, os.O_RDONLY)
-    except FileNotFoundError:
-        return None, "missing", True
-    except OSError as e:
-        return None, f"cannot read {lib_path.name}: {e.strerror}", False
-    try:
-        with os.fdopen(os.dup(fd), "rb") as f:
-            data = f.read()
-        why = _check(data, lib_path)
-        if why is not None:
-            return None, why, True
-        try:
-            lib = ctypes.CDLL(f"/proc/self/fd/{fd}")
-        except OSError as e:
-            return None, f"cannot load {lib_path.name}: {e}", True
-    finally:
-        os.close(fd)
-    missing = [s for s in SYMBOLS if not hasattr(lib, s)]
-    if missing:
-        return None, f"{lib_path.name} lacks {', '.join(missing)}", False
-    return lib, None, False
-
-
-class _Locked:
-    """An exclusive lock on a file beside the cached library while it is checked or built (where
-    the cache folder allows one): one process builds, the others wait and load its library."""
-
-    def __init__(self, lib_path: Path) -> None:
-        self.path = lib_path.with_name(lib_path.name + ".lock")
-        self.fd: int | None = None
-
-    def __enter__(self) -> None:
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            fcntl.flock(self.fd, fcntl.LOCK_EX)
-        except OSError:
-            self.__exit__()
-
-    def __exit__(self, *exc: object) -> None:
-        if self.fd is not None:
-            os.close(self.fd)  # releases the lock
-            self.fd = None
-
-
-def _load(lib_path: Path) -> tuple[ctypes.CDLL | None, str | None]:
-    """The cached library at ``lib_path``, built first where it is missing, and built again (once)
-    where the cached file is not this build's or fails to load (one line on stderr says so)."""
-    with _Locked(lib_path):
-        lib, why, rebuild = _open(lib_path)
-        if lib is not None or not rebuild:
-            return lib, why
-        if why != "missing":
-            print(f"dflash: cached native kernels {lib_path} not used ({why}); rebuilding", file=sys.stderr)
-            _remove(lib_path)
-        try:
-            built = _build(lib_path)
-        except (OSError, subprocess.SubprocessError) as e:
-            built = f"build failed: {e}"
-        if built is not None:
-            return None, built
-        lib, why, _ = _open(lib_path)
-        if lib is None:
-            _remove(lib_path)  # a build that does not load: the next process tries again
-        return lib, why
 
 
 def identity() -> str:
@@ -415,46 +249,6 @@ def f32_gemm() -> Bf16Gemm | None:
     return fn
 
 
-class Proj(ctypes.Structure):
-    """One projection of ``layers.c``: weights [n, k] (int8 + per-row scales, bf16, float32 or q4 + its
-    scales and minimums), bias or NULL."""
-
-    _fields_ = [
-        ("w", ctypes.c_void_p),
-        ("scale", ctypes.c_void_p),
-        ("bias", ctypes.c_void_p),
-        ("n", ctypes.c_int64),
-        ("k", ctypes.c_int64),
-        # weights: 0 = bf16, 1 = int8, 2 = float32, 3 = bf16 on the AVX-512-BF16 path, 4 = q4 (scale: its sm)
-        ("kind", ctypes.c_int64),
-    ]
-
-
-class Layer(ctypes.Structure):
-    """One decoder layer of ``layers.c`` (pointers into tensors the caller keeps alive)."""
-
-    _fields_ = [
-        ("qkv", Proj),
-        ("o", Proj),
-        ("gate_up", Proj),
-        ("down", Proj),
-        ("ln1", ctypes.c_void_p),
-        ("ln2", ctypes.c_void_p),
-        ("q_norm", ctypes.c_void_p),
-        ("k_norm", ctypes.c_void_p),
-        ("eps1", ctypes.c_float),
-        ("eps2", ctypes.c_float),
-        ("qk_eps", ctypes.c_float),
-        ("scaling", ctypes.c_float),
-    ]
-
-
-class Shape(ctypes.Structure):
-    """The model's shape for ``layers.c``."""
-
-    _fields_ = [(name, ctypes.c_int64) for name in ("d", "heads", "kv_heads", "head_dim", "ffn")]
-
-
 def layers_fn() -> LayersFn | None:
     """The compiled decoder-layer stack (``dflash_layers`` of ``layers.c``, its arguments checked:
     see ``_wrap_layers``), or None where the library cannot run here (see ``why_not``)."""
@@ -462,226 +256,9 @@ def layers_fn() -> LayersFn | None:
     return fn
 
 
-LayersFn = Callable[..., None]
-
-
-def _wrap_layers(c_fn: ctypes._NamedFuncPointer) -> LayersFn:
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    c_fn.restype = ctypes.c_int
-    c_fn.argtypes = [p, i64, p, p, p, i64, p, i64, i64, p, p, p, p, i64, p, ctypes.c_int]
-    name = "native layers"
-
-    def layers(
-        stack: Any,
-        shape: Shape,
-        ck: Any,
-        cv: Any,
-        capacity: int,
-        h: torch.Tensor,
-        start: int,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        mask: torch.Tensor | None,
-        taps: Sequence[int],
-        tapbuf: torch.Tensor | None,
-    ) -> None:
-        """Run the decoder layers ``stack`` (a ctypes ``Layer`` array) over the rows ``h`` [T, D]
-        (float32, updated in place) at positions ``start``..``start + T - 1``, reading and writing
-        the per-layer K/V buffers ``ck``/``cv`` (ctypes pointer arrays, room for ``capacity``
-        entries). ``cos``/``sin`` [T, head_dim] float32; ``mask`` [T, start + T] uint8 or None
-        (causal); after layer ``taps[j]`` the rows are copied into ``tapbuf[:, j * D:(j + 1) * D]``.
-
-        Raises:
-            ValueError: a tensor of the wrong dtype, shape or layout, or positions beyond the cache.
-            MemoryError: no scratch memory for the step.
-        """
-        n_layers = len(stack)
-        if len(ck) != n_layers or len(cv) != n_layers:
-            raise ValueError(f"{name}: {n_layers} layers but {len(ck)} K and {len(cv)} V buffers")
-        d, hd = int(shape.d), int(shape.head_dim)
-        if not isinstance(h, torch.Tensor) or h.dim() != 2 or h.shape[0] < 1:
-            raise ValueError(f"{name}: h must be a 2-D tensor [T, {d}] with T >= 1, {_described(h)}")
-        t = int(h.shape[0])
-        _need(name, "h", h, torch.float32, (t, d))
-        _need(name, "cos", cos, torch.float32, (t, hd))
-        _need(name, "sin", sin, torch.float32, (t, hd))
-        if not 0 <= start <= capacity - t:
-            raise ValueError(f"{name}: rows {start}..{start + t - 1} do not fit a cache of {capacity} entries")
-        if mask is not None:
-            _need(name, "mask", mask, torch.uint8, (t, start + t))
-        if any(not 0 <= j < n_layers for j in taps):
-            raise ValueError(f"{name}: taps {list(taps)} outside layers 0..{n_layers - 1}")
-        if taps:
-            _need(name, "tapbuf", tapbuf, torch.float32, (t, len(taps) * d))
-        elif tapbuf is not None:
-            raise ValueError(f"{name}: a tap buffer without taps")
-        tap_ids = (ctypes.c_int64 * max(len(taps), 1))(*taps)
-        rc = c_fn(
-            stack,
-            n_layers,
-            ctypes.byref(shape),
-            ck,
-            cv,
-            capacity,
-            h.data_ptr(),
-            t,
-            start,
-            cos.data_ptr(),
-            sin.data_ptr(),
-            mask.data_ptr() if mask is not None else None,
-            tap_ids,
-            len(taps),
-            tapbuf.data_ptr() if tapbuf is not None else None,
-            torch.get_num_threads(),
-        )
-        if rc == -2:
-            raise ValueError(f"{name}: head dimension {hd} over 512")
-        if rc != 0:
-            raise MemoryError(f"{name}: no memory for a step of {t} rows (code {rc})")
-
-    return layers
-
-
 def why_not() -> str | None:
     """Why the native kernels are unavailable (None when they are, or were not asked for yet)."""
     return _why_not.get("lib")
-
-
-def _f32(name: str, x: torch.Tensor) -> torch.Tensor:
-    """The activations ``x`` [M, K] as contiguous float32 rows on the CPU (converted from another
-    float dtype or layout)."""
-    if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point() or x.device.type != "cpu":
-        raise ValueError(f"{name}: x must be a 2-D float tensor [M, K] on the CPU, {_described(x)}")
-    return x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
-
-
-def _described(t: object) -> str:
-    if not isinstance(t, torch.Tensor):
-        return f"got {type(t).__name__}"
-    return f"got {str(t.dtype).removeprefix('torch.')} {list(t.shape)} on {t.device}" + (
-        "" if t.is_contiguous() else " (not contiguous)"
-    )
-
-
-def _need(name: str, what: str, t: object, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-    """Raise a clear error unless ``t`` is a contiguous CPU tensor of ``dtype`` and ``shape`` (-1:
-    any size): the C kernels read raw pointers and trust these."""
-    ok = (
-        isinstance(t, torch.Tensor)
-        and t.dtype == dtype
-        and t.device.type == "cpu"
-        and t.is_contiguous()
-        and t.dim() == len(shape)
-        and all(want in (-1, got) for want, got in zip(shape, t.shape, strict=True))
-    )
-    if not ok:
-        dims = ", ".join("?" if d == -1 else str(d) for d in shape)
-        kind = str(dtype).removeprefix("torch.")
-        raise ValueError(f"{name}: {what} must be a contiguous {kind} tensor [{dims}] on the CPU, {_described(t)}")
-
-
-def _wrap_int8(c_fn: ctypes._NamedFuncPointer) -> Int8Gemm:
-    c_fn.restype = ctypes.c_int
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    c_fn.argtypes = [p, i64, i64, p, p, p, i64, p, ctypes.c_int]
-
-    def gemm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        x = _f32("int8 GEMM", x)
-        m, k = x.shape
-        _need("int8 GEMM", "w", w, torch.int8, (-1, k))
-        n = w.shape[0]
-        _need("int8 GEMM", "scale", scale, torch.float32, (n,))
-        if bias is not None:
-            _need("int8 GEMM", "bias", bias, torch.float32, (n,))
-        y = torch.empty((m, n), dtype=torch.float32)
-        rc = c_fn(
-            x.data_ptr(),
-            m,
-            k,
-            w.data_ptr(),
-            scale.data_ptr(),
-            bias.data_ptr() if bias is not None else None,
-            n,
-            y.data_ptr(),
-            torch.get_num_threads(),
-        )
-        if rc != 0:
-            raise MemoryError(f"int8 GEMM: no memory for a {m}x{k} activation buffer")
-        return y
-
-    return gemm
-
-
-def _wrap_q4(c_fn: ctypes._NamedFuncPointer) -> Q4Gemm:
-    c_fn.restype = ctypes.c_int
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    c_fn.argtypes = [p, i64, i64, p, p, p, i64, p, ctypes.c_int]
-    name = "q4 GEMM"
-
-    def gemm(x: torch.Tensor, w: torch.Tensor, sm: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        x = _f32(name, x)
-        m, k = x.shape
-        if k % 32 != 0:
-            raise ValueError(f"{name}: K must be a multiple of 32, got {k}")
-        _need(name, "w", w, torch.uint8, (-1, k // 2))
-        n = w.shape[0]
-        _need(name, "sm", sm, torch.float16, (n, 2 * 8 * ((k // 32 + 7) // 8)))
-        if bias is not None:
-            _need(name, "bias", bias, torch.float32, (n,))
-        y = torch.empty((m, n), dtype=torch.float32)
-        rc = c_fn(
-            x.data_ptr(),
-            m,
-            k,
-            w.data_ptr(),
-            sm.data_ptr(),
-            bias.data_ptr() if bias is not None else None,
-            n,
-            y.data_ptr(),
-            torch.get_num_threads(),
-        )
-        if rc != 0:
-            raise MemoryError(f"{name}: no memory for a {m}x{k} activation buffer")
-        return y
-
-    return gemm
-
-
-def _wrap_float(weights: torch.dtype, returns_rc: bool = False) -> Callable[[ctypes._NamedFuncPointer], Bf16Gemm]:
-    """The wrapper of a GEMM over ``weights`` (bfloat16 or float32) weights (``returns_rc``: the C
-    function returns 0, or -1 without memory for its activation buffer)."""
-    name = f"{str(weights).removeprefix('torch.')} GEMM"
-
-    def wrap(c_fn: ctypes._NamedFuncPointer) -> Bf16Gemm:
-        c_fn.restype = ctypes.c_int if returns_rc else None
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        c_fn.argtypes = [p, i64, i64, p, p, i64, p, ctypes.c_int]
-
-        def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-            x = _f32(name, x)
-            m, k = x.shape
-            _need(name, "w", w, weights, (-1, k))
-            n = w.shape[0]
-            if bias is not None:
-                _need(name, "bias", bias, torch.float32, (n,))
-            y = torch.empty((m, n), dtype=torch.float32)
-            rc = c_fn(
-                x.data_ptr(),
-                m,
-                k,
-                w.data_ptr(),
-                bias.data_ptr() if bias is not None else None,
-                n,
-                y.data_ptr(),
-                torch.get_num_threads(),
-            )
-            if returns_rc and rc != 0:
-                raise MemoryError(f"{name}: no memory for a {m}x{k} activation buffer")
-            return y
-
-        return gemm
-
-    return wrap
 
 
 # Float32 steps of at most this many rows run dflash's native GEMM, longer ones (a prompt's prefill)

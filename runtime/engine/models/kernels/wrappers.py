@@ -1,0 +1,150 @@
+"""The checked ctypes wrappers of the native GEMMs (int8, q4, bf16 and float32 weights): every tensor handed
+to C is checked for dtype, shape and layout first (``ValueError`` otherwise)."""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+
+import torch
+
+Int8Gemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+Bf16Gemm = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+Q4Gemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+def _f32(name: str, x: torch.Tensor) -> torch.Tensor:
+    """The activations ``x`` [M, K] as contiguous float32 rows on the CPU (converted from another
+    float dtype or layout)."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point() or x.device.type != "cpu":
+        raise ValueError(f"{name}: x must be a 2-D float tensor [M, K] on the CPU, {_described(x)}")
+    return x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+
+
+def _described(t: object) -> str:
+    if not isinstance(t, torch.Tensor):
+        return f"got {type(t).__name__}"
+    return f"got {str(t.dtype).removeprefix('torch.')} {list(t.shape)} on {t.device}" + (
+        "" if t.is_contiguous() else " (not contiguous)"
+    )
+
+
+def _need(name: str, what: str, t: object, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    """Raise a clear error unless ``t`` is a contiguous CPU tensor of ``dtype`` and ``shape`` (-1:
+    any size): the C kernels read raw pointers and trust these."""
+    ok = (
+        isinstance(t, torch.Tensor)
+        and t.dtype == dtype
+        and t.device.type == "cpu"
+        and t.is_contiguous()
+        and t.dim() == len(shape)
+        and all(want in (-1, got) for want, got in zip(shape, t.shape, strict=True))
+    )
+    if not ok:
+        dims = ", ".join("?" if d == -1 else str(d) for d in shape)
+        kind = str(dtype).removeprefix("torch.")
+        raise ValueError(f"{name}: {what} must be a contiguous {kind} tensor [{dims}] on the CPU, {_described(t)}")
+
+
+def _wrap_int8(c_fn: ctypes._NamedFuncPointer) -> Int8Gemm:
+    c_fn.restype = ctypes.c_int
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    c_fn.argtypes = [p, i64, i64, p, p, p, i64, p, ctypes.c_int]
+
+    def gemm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        x = _f32("int8 GEMM", x)
+        m, k = x.shape
+        _need("int8 GEMM", "w", w, torch.int8, (-1, k))
+        n = w.shape[0]
+        _need("int8 GEMM", "scale", scale, torch.float32, (n,))
+        if bias is not None:
+            _need("int8 GEMM", "bias", bias, torch.float32, (n,))
+        y = torch.empty((m, n), dtype=torch.float32)
+        rc = c_fn(
+            x.data_ptr(),
+            m,
+            k,
+            w.data_ptr(),
+            scale.data_ptr(),
+            bias.data_ptr() if bias is not None else None,
+            n,
+            y.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise MemoryError(f"int8 GEMM: no memory for a {m}x{k} activation buffer")
+        return y
+
+    return gemm
+
+
+def _wrap_q4(c_fn: ctypes._NamedFuncPointer) -> Q4Gemm:
+    c_fn.restype = ctypes.c_int
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    c_fn.argtypes = [p, i64, i64, p, p, p, i64, p, ctypes.c_int]
+    name = "q4 GEMM"
+
+    def gemm(x: torch.Tensor, w: torch.Tensor, sm: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        x = _f32(name, x)
+        m, k = x.shape
+        if k % 32 != 0:
+            raise ValueError(f"{name}: K must be a multiple of 32, got {k}")
+        _need(name, "w", w, torch.uint8, (-1, k // 2))
+        n = w.shape[0]
+        _need(name, "sm", sm, torch.float16, (n, 2 * 8 * ((k // 32 + 7) // 8)))
+        if bias is not None:
+            _need(name, "bias", bias, torch.float32, (n,))
+        y = torch.empty((m, n), dtype=torch.float32)
+        rc = c_fn(
+            x.data_ptr(),
+            m,
+            k,
+            w.data_ptr(),
+            sm.data_ptr(),
+            bias.data_ptr() if bias is not None else None,
+            n,
+            y.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise MemoryError(f"{name}: no memory for a {m}x{k} activation buffer")
+        return y
+
+    return gemm
+
+
+def _wrap_float(weights: torch.dtype, returns_rc: bool = False) -> Callable[[ctypes._NamedFuncPointer], Bf16Gemm]:
+    """The wrapper of a GEMM over ``weights`` (bfloat16 or float32) weights (``returns_rc``: the C
+    function returns 0, or -1 without memory for its activation buffer)."""
+    name = f"{str(weights).removeprefix('torch.')} GEMM"
+
+    def wrap(c_fn: ctypes._NamedFuncPointer) -> Bf16Gemm:
+        c_fn.restype = ctypes.c_int if returns_rc else None
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        c_fn.argtypes = [p, i64, i64, p, p, i64, p, ctypes.c_int]
+
+        def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            x = _f32(name, x)
+            m, k = x.shape
+            _need(name, "w", w, weights, (-1, k))
+            n = w.shape[0]
+            if bias is not None:
+                _need(name, "bias", bias, torch.float32, (n,))
+            y = torch.empty((m, n), dtype=torch.float32)
+            rc = c_fn(
+                x.data_ptr(),
+                m,
+                k,
+                w.data_ptr(),
+                bias.data_ptr() if bias is not None else None,
+                n,
+                y.data_ptr(),
+                torch.get_num_threads(),
+            )
+            if returns_rc and rc != 0:
+                raise MemoryError(f"{name}: no memory for a {m}x{k} activation buffer")
+            return y
+
+        return gemm
+
+    return wrap
