@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
 from dataclasses import replace
 from enum import Enum
 from typing import Annotated, Any
@@ -47,20 +46,13 @@ from ..common import (
 )
 from ..errors import handle_errors
 from ..render import warn_block_size
+from .bench_options import BenchFormat, _block_sizes, _err, _ints_or_auto, _run_with_progress, _split
 
 bench_app = typer.Typer(
     help="Speed tests: DFlash vs plain decoding and the methods users pick instead, in one run.",
     no_args_is_help=False,
     invoke_without_command=True,
 )
-
-
-class BenchFormat(str, Enum):
-    """--format values of `dflash bench` (stdout)."""
-
-    json = "json"
-    md = "md"
-    csv = "csv"
 
 
 class ListFormat(str, Enum):
@@ -73,33 +65,6 @@ class ListFormat(str, Enum):
 def db_path() -> Any:
     """The bench history database."""
     return state_dir() / "bench.sqlite"
-
-
-def _split(value: str | None, what: str) -> list[str]:
-    return [p.strip() for p in (value or "").replace(" ", ",").split(",") if p.strip()]
-
-
-def _block_sizes(value: str | None) -> tuple[int, ...]:
-    from runtime.errors import ConfigError
-
-    try:
-        return tuple(int(p) for p in _split(value, "--block-size"))
-    except ValueError:
-        raise ConfigError(f"--block-size expects block sizes like 4,8,16, got {value!r}") from None
-
-
-def _ints_or_auto(value: str | None, flag: str, example: str) -> tuple[int | None, ...]:
-    """A sweep like ``0,4,auto``: integers, ``auto`` (None: the runtime's choice)."""
-    from runtime.errors import ConfigError
-
-    try:
-        return tuple(None if p.lower() == "auto" else int(p) for p in _split(value, flag))
-    except ValueError:
-        raise ConfigError(f"{flag} expects {example}, got {value!r}") from None
-
-
-def _err(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
 
 
 @bench_app.callback(invoke_without_command=True)
@@ -343,29 +308,6 @@ def bench(
     else:
         sys.stdout.write(bench_csv(doc))
     sys.stdout.flush()
-
-
-def _run_with_progress(job: Callable[[Any], Any]) -> Any:
-    """Run the bench (``job(progress)``) with a progress bar on stderr when it is a terminal."""
-    if not sys.stderr.isatty():
-        return job(None)
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    columns = (
-        TextColumn("bench"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeRemainingColumn(),
-        TextColumn("{task.description}"),
-    )
-    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
-        task = bar.add_task("loading", total=None)
-
-        def progress(done: int, total: int, what: str) -> None:
-            bar.update(task, completed=done, total=total, description=what)
-
-        return job(progress)
 
 
 @bench_app.command("history")

@@ -15,7 +15,7 @@ from ..common import (
 )
 from ..common import open_pipeline, session_options
 from ..render import warn_block_size
-from .bench import BenchFormat, _block_sizes, _err, _run_with_progress
+from .bench_options import BenchFormat, _block_sizes, _err, _run_with_progress
 
 
 def bench_fim(

@@ -4,11 +4,8 @@ and the header lines above them. No UI imports here: the CLI prints them."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from runtime.bench.fim import FimBenchResult
-
+from runtime.bench.fim_results import FimBenchResult
 
 # -- rendering ---------------------------------------------------------------------------------------
 COLUMNS = (
