@@ -55,7 +55,7 @@ def test_runtime_sources_never_mention_ui_imports():
 # A module imports modules of its own layer or of layers below it, never above.
 ROOT = Path(runtime.__file__).parent.parent
 CORE = ("config", "errors", "textio")
-FEATURES = ("bench", "quantize", "client", "train", "pipeline", "doctor", "session", "backend", "fim")
+FEATURES = ("bench", "quantize", "client", "train", "pipeline", "loading", "doctor", "session", "backend", "fim")
 LAYERS = ("core", "engine-models", "engine", "models", "features", "api", "tui", "cli")
 
 

@@ -3,14 +3,14 @@
 The table goes to stderr; stdout carries one document in the chosen --format (JSON by default).
 Every run is stored in SQLite under the state dir; `dflash bench history` lists the runs and
 `dflash bench compare A B` shows what changed. Measuring happens in runtime.bench.runner (local pair) and
-runtime.bench.remote (`--server URL`: ar and dflash through an OpenAI-compatible server).
+runtime.bench.remote (`--server URL`: ar and dflash through an OpenAI-compatible server); `--dataset fim`
+is run by dflash_cli.commands.bench_fim.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
 from dataclasses import replace
 from enum import Enum
 from typing import Annotated, Any
@@ -46,20 +46,13 @@ from ..common import (
 )
 from ..errors import handle_errors
 from ..render import warn_block_size
+from .bench_options import BenchFormat, _block_sizes, _err, _ints_or_auto, _run_with_progress, _split
 
 bench_app = typer.Typer(
     help="Speed tests: DFlash vs plain decoding and the methods users pick instead, in one run.",
     no_args_is_help=False,
     invoke_without_command=True,
 )
-
-
-class BenchFormat(str, Enum):
-    """--format values of `dflash bench` (stdout)."""
-
-    json = "json"
-    md = "md"
-    csv = "csv"
 
 
 class ListFormat(str, Enum):
@@ -72,33 +65,6 @@ class ListFormat(str, Enum):
 def db_path() -> Any:
     """The bench history database."""
     return state_dir() / "bench.sqlite"
-
-
-def _split(value: str | None, what: str) -> list[str]:
-    return [p.strip() for p in (value or "").replace(" ", ",").split(",") if p.strip()]
-
-
-def _block_sizes(value: str | None) -> tuple[int, ...]:
-    from runtime.errors import ConfigError
-
-    try:
-        return tuple(int(p) for p in _split(value, "--block-size"))
-    except ValueError:
-        raise ConfigError(f"--block-size expects block sizes like 4,8,16, got {value!r}") from None
-
-
-def _ints_or_auto(value: str | None, flag: str, example: str) -> tuple[int | None, ...]:
-    """A sweep like ``0,4,auto``: integers, ``auto`` (None: the runtime's choice)."""
-    from runtime.errors import ConfigError
-
-    try:
-        return tuple(None if p.lower() == "auto" else int(p) for p in _split(value, flag))
-    except ValueError:
-        raise ConfigError(f"{flag} expects {example}, got {value!r}") from None
-
-
-def _err(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
 
 
 @bench_app.callback(invoke_without_command=True)
@@ -213,7 +179,9 @@ def bench(
         }
         if server and (target or drafter):
             raise typer.BadParameter("--server excludes --target/--drafter: the server decides the models")
-        _bench_fim(
+        from .bench_fim import bench_fim
+
+        bench_fim(
             [flag for flag, given in ignored.items() if given],
             session=None
             if server
@@ -340,116 +308,6 @@ def bench(
     else:
         sys.stdout.write(bench_csv(doc))
     sys.stdout.flush()
-
-
-def _bench_fim(
-    refused: list[str],
-    session: tuple[Any, ...] | None,
-    server: str | None,
-    llama_infill: str | None,
-    limit: int | None,
-    max_tokens: int,
-    warmup: int,
-    block_size: str | None,
-    decode: tuple[Any, ...],
-    fmt: BenchFormat,
-) -> None:
-    """`dflash bench --dataset fim`: the FIM cases on the local pair (ar and dflash, cold and warm) and
-    on the /infill servers named (``--server``, ``--llama-infill``); runtime.bench.fim measures."""
-    from runtime.bench.fim import (
-        FimConfig,
-        InfillClient,
-        csv_text,
-        header_lines,
-        limit_cases,
-        load_fim_cases,
-        markdown_table,
-        run_fim_bench,
-    )
-    from runtime.config import DecodeOptions
-    from runtime.errors import ConfigError
-
-    if refused:
-        raise ConfigError(
-            f"--dataset fim does not take {', '.join(refused)}: it runs greedy ar and dflash on each case "
-            "and is not stored in bench history (docs/bench.md)"
-        )
-    sizes = _block_sizes(block_size)
-    if len(sizes) > 1:
-        raise ConfigError("--dataset fim takes one --block-size, not a sweep")
-    verify_length, tree_budget, lookup, confidence_cut = decode
-    dflash_opts = DecodeOptions(
-        block_size=sizes[0] if sizes else None,
-        verify_length=verify_length,
-        tree_budget=tree_budget,
-        lookup=lookup,
-        confidence_cut=confidence_cut_setting(confidence_cut),
-    )
-    config = FimConfig(max_new_tokens=max_tokens, warmup=warmup, dflash=dflash_opts)
-    cases = limit_cases(load_fim_cases(), limit)
-    from ..common import api_key_from_env
-
-    key = api_key_from_env()
-    servers = ([InfillClient(server, "server", key)] if server else []) + (
-        [InfillClient(llama_infill, "llama.cpp", key)] if llama_infill else []
-    )
-    pipe = None
-    quantize = None
-    if session is not None:
-        model, target, drafter, device, dtype, offline, revision, quantize, threads, engine, compile_mode = session
-        pipe = open_pipeline(
-            session_options(
-                model,
-                target,
-                drafter,
-                device,
-                dtype,
-                offline,
-                revision,
-                quantize,
-                threads,
-                engine=engine,
-                compile=compile_mode,
-            )
-        )
-        warn_block_size(pipe, sizes)
-        if pipe.drafter is None:
-            _err(f"dflash: note: no drafter loaded for {pipe.pair.target_name}; skipping the dflash rows")
-    result = _run_with_progress(lambda progress: run_fim_bench(pipe, cases, config, servers, progress, quantize))
-    table = markdown_table(result)
-    for line in header_lines(result):
-        _err(line)
-    _err(table)
-    if fmt == BenchFormat.json:
-        sys.stdout.write(json.dumps(result.to_json(), ensure_ascii=False) + "\n")
-    elif fmt == BenchFormat.md:
-        sys.stdout.write(table + "\n")
-    else:
-        sys.stdout.write(csv_text(result))
-    sys.stdout.flush()
-
-
-def _run_with_progress(job: Callable[[Any], Any]) -> Any:
-    """Run the bench (``job(progress)``) with a progress bar on stderr when it is a terminal."""
-    if not sys.stderr.isatty():
-        return job(None)
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    columns = (
-        TextColumn("bench"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeRemainingColumn(),
-        TextColumn("{task.description}"),
-    )
-    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
-        task = bar.add_task("loading", total=None)
-
-        def progress(done: int, total: int, what: str) -> None:
-            bar.update(task, completed=done, total=total, description=what)
-
-        return job(progress)
 
 
 @bench_app.command("history")
