@@ -178,3 +178,27 @@ def test_a_long_prefill_runs_pytorch_layers_then_steps_run_native(weights, monke
             l2, _ = native.forward(_ids(n, n), c2)
             assert _rel(l2, l1) < 1e-5
     assert called == [1, 3]
+
+
+@pytest.mark.parametrize("weights", ["int8", "q4"])
+def test_a_quantized_body_over_bf16_weights_runs_float32_activations(weights, monkeypatch):
+    """`--quantize int8|q4` loads bf16 weights first. On a CPU whose default bf16 path is oneDNN's (native
+    bf16, no measured choice in this process), the quantized projections still run on dflash's kernels,
+    which take float32 rows: the body gets float32 activations and the native layers (not bf16 rows whose
+    verify blocks round differently from one-token steps), and DFlash equals plain greedy decoding."""
+    pytest.importorskip("torchao")
+    from runtime.models.quant_schemes import quantize_model_inplace
+
+    monkeypatch.setattr(linear, "_process", {})  # a fresh process: no bf16 path chosen yet
+    monkeypatch.setattr(linear, "cpu_has_fast_bf16", lambda: True)  # oneDNN is the default bf16 path
+    assert not linear.FusedLinear.native_bf16_runs(torch.device("cpu"))
+    model = make_target("qwen2", vocab_size=96, seed=5).to(torch.bfloat16)
+    quantize_model_inplace(model, weights, "cpu")
+    lean = LeanTarget(model)
+    assert lean.dtype == torch.float32 and lean.native_layers
+    drafter = make_drafter(model.config, block_size=6, taps=[0, 2, 3])
+    rng = random.Random(weights)
+    for _ in range(3):
+        p = [rng.randrange(96) for _ in range(rng.randint(1, 9))]
+        ref = lean_greedy_reference(lean, p, 16)
+        assert greedy_pair(lean, drafter, p, 16, block_size=6) == (ref, ref)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.engine.models.drafter import DFlashDraftModel, draft_columns_to_ids
-from runtime.engine.models.linear import FusedLinear, Int8Head
+from runtime.engine.models.linear import FusedLinear, Int8Head, _plain
 from runtime.engine.models.target import TargetModel
 
 
@@ -32,7 +32,7 @@ class DraftHead:
         pack = (ids is not None or weight.dtype != target.dtype) and type(weight.data) is torch.Tensor
         pack = pack and FusedLinear.can_pack(weight.device, weight.dtype)
         self._packed = FusedLinear([_Plain(weight, bias)], pack=True) if pack else None
-        if target.int8 and type(weight) is torch.Tensor:
+        if target.int8 and weight.dtype.is_floating_point and _plain(weight):
             # beside an int8 target (its own head in int8), the draft head is read in int8 as well
             self._packed = FusedLinear([Int8Head(_Plain(weight, bias))], pack=False)
 

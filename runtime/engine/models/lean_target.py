@@ -130,8 +130,12 @@ class LeanTarget(TargetModel):
         if pack is None:
             pack = FusedLinear.can_pack(self.device, weights)
         self.packed = pack
-        if float_activations is None:
-            float_activations = pack and weights == torch.bfloat16 and FusedLinear.native_bf16_runs(self.device)
+        if float_activations is None:  # where dflash's kernels run the projections: they take float32 rows
+            q_weight = self.layers[0].self_attn.q_proj.weight
+            float_activations = pack and (
+                (weights == torch.bfloat16 and FusedLinear.native_bf16_runs(self.device))
+                or FusedLinear.native_quantized_runs(q_weight)
+            )
         act = torch.float32 if float_activations else weights
         self.act_dtype = act
         self.n_heads = int(cfg.num_attention_heads)
@@ -199,8 +203,9 @@ class LeanTarget(TargetModel):
 
     @property
     def dtype(self) -> torch.dtype:
-        """Dtype of the activations, the KV cache and the logits (float32 over bf16 weights on CPUs
-        without native bf16, else the weights')."""
+        """Dtype of the activations, the KV cache and the logits: float32 where dflash's own kernels
+        run the projections on a CPU (bf16 weights on the path chosen for them, int8 and q4 bodies),
+        else the weights'."""
         return self.act_dtype
 
     # -- caches --------------------------------------------------------------------------------

@@ -274,6 +274,19 @@ class FusedLinear:
         return bool(torch.backends.mkldnn.is_available())  # type: ignore[no-untyped-call]
 
     @staticmethod
+    def native_quantized_runs(weight: Any) -> bool:
+        """True where a quantized projection weight (int8 or q4) runs on dflash's native int8 or q4
+        kernel: they take float32 rows, so a quantized body wants float32 activations there (its
+        verify rows then equal its one-token rows, and its layers run natively)."""
+        if getattr(weight, "device", torch.device("meta")).type != "cpu":
+            return False
+        from runtime.engine.models.kernels import int8_gemm, q4_gemm
+
+        if _int8_parts(weight) is not None:
+            return int8_kernel_available(weight.device) and int8_gemm() is not None
+        return _q4_parts(weight) is not None and q4_gemm() is not None
+
+    @staticmethod
     def native_bf16_runs(device: torch.device) -> bool:
         """True where new bf16 projections run on one of dflash's bf16 GEMMs (``current_bf16_path``): they
         take float32 rows, so float32 activations cost nothing extra there."""
