@@ -12,6 +12,11 @@ Rows (each: one warm-up prompt, then every prompt of the set; decode tok/s exclu
 The verify costs (chains and tree-sized verifies) are measured for this machine at the start of each dflash pair (as ``dflash run``
 does on first use). Prints a Markdown table of medians; ``--out FILE`` keeps every number as JSON.
 
+``--baseline OTHER_CHECKOUT`` compares two builds: both stay loaded (``speed_worker.py`` in two
+processes, one decoding at a time) and decode every prompt back to back, the first of the two
+alternating, so the machine's drift over the run falls on both alike (running one build after the
+other made a build that ran second look up to 8% slower on a shared 2-core machine).
+
 Example (see docs/speed.md and docs/llamacpp.md):
     python scripts/speed_table.py --llama-server ~/.cache/llamacpp/src/build/bin/llama-server \\
         --gguf bf16=target-bf16.gguf --gguf Q4_K_M=target-q4_k_m.gguf -n 96 --out speed.json
@@ -21,10 +26,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -35,6 +40,16 @@ def _post(url: str, body: dict[str, Any], timeout: float = 600) -> dict[str, Any
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read())
+
+
+PREFILL_RUNS = 3  # timed prompt readings per length, after one warm-up
+
+
+def prefill_text() -> str:
+    """The long prompt of the prefill rows: this checkout's engine source (code, as editors send it);
+    each engine reads the first N tokens of it as its own tokenizer splits it (the same tokenizer)."""
+    root = Path(__file__).resolve().parent.parent / "runtime" / "engine"
+    return "\n".join(p.read_text() for p in sorted(root.rglob("*.py")))
 
 
 def llama_rows(args: argparse.Namespace, prompts: list[str]) -> list[dict[str, Any]]:
@@ -75,115 +90,190 @@ def llama_rows(args: argparse.Namespace, prompts: list[str]) -> list[dict[str, A
                     row["accept"] = accepted / drafted
                 rows.append(row)
                 print(f"  llama.cpp {name} {mode}: median {statistics.median(speeds):.2f} tok/s", file=sys.stderr)
+                if mode == "plain" and args.prefill:
+                    ids = _post(base + "/tokenize", {"content": prefill_text()})["tokens"]
+                    for n in args.prefill:
+                        body = {"prompt": ids[:n], "n_predict": 1, "cache_prompt": False, "temperature": 0}
+                        runs = [_post(base + "/completion", body)["timings"] for _ in range(PREFILL_RUNS + 1)][1:]
+                        assert all(int(t["prompt_n"]) == n for t in runs), runs[0]
+                        prefill = [float(t["prompt_per_second"]) for t in runs]
+                        rows.append({"engine": "llama.cpp", "weights": name, "prefill": n, "tok_s": prefill})
+                        print(
+                            f"  llama.cpp {name} prefill {n}: median {statistics.median(prefill):.1f} tok/s",
+                            file=sys.stderr,
+                        )
             finally:
                 proc.terminate()
                 proc.wait(30)
     return rows
 
 
-def dflash_rows(args: argparse.Namespace, prompt_texts: list[str]) -> list[dict[str, Any]]:
-    import torch
-
-    from runtime import DecodeOptions, LoadOptions, ModelRef, RuntimeConfig, SamplingParams, load_pipeline
-    from runtime.engine.calibrate import TREE_VERIFY_TOKENS, cached_costs
-    from runtime.engine.events import Finished
-    from runtime.engine.models.target import TargetModel
-
-    torch.set_num_threads(args.threads)
-    rows = []
-    params = SamplingParams(max_new_tokens=args.max_tokens)
-    from runtime.engine.models.device import dtype_name
-
-    configs = [
-        (quant, dtype, engine)
+def _configs(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every dflash configuration the arguments ask for, as ``speed_worker.Runner`` configs."""
+    return [
+        {
+            "quant": quant,
+            "dtype": dtype,
+            "engine": engine,
+            "threads": args.threads,
+            "max_tokens": args.max_tokens,
+            "target": args.target,
+            "drafter": args.drafter,
+            "models_dir": args.models_dir,
+        }
         for quant in args.quantize
         for dtype in (args.float_dtypes if quant == "none" else ["auto"])
         for engine in (["lean", "hf"] if args.with_hf and quant == "none" else ["lean"])
     ]
-    for quant, dtype, engine in configs:
-        ref = ModelRef(target=args.target, drafter=args.drafter) if args.target else ModelRef()
-        opts = LoadOptions(quantize=None if quant == "none" else quant, offline=True)
-        if args.models_dir:
-            opts = LoadOptions(quantize=opts.quantize, offline=True, models_dir=Path(args.models_dir))
-        pipe = load_pipeline(ref, RuntimeConfig(device="cpu", dtype=dtype, engine=engine), opts)
-        if engine == "hf":
-            assert type(pipe.target) is TargetModel
-        with tempfile.TemporaryDirectory() as tmp:
-            # measured now, on this machine, up to tree sizes as `dflash run` does (else only chains are chosen)
-            pipe.costs = cached_costs(pipe, Path(tmp) / "calibration.json", max_tokens=TREE_VERIFY_TOKENS)
-        ids = [pipe.encode(t) for t in prompt_texts]
-        short = {"bfloat16": "bf16", "float32": "fp32"}.get(dtype_name(pipe.dtype), dtype_name(pipe.dtype))
-        label = short if quant == "none" else f"{quant} ({short} act.)"
-        outputs: dict[str, list[list[int]]] = {}
-        fixed = [f"dflash@{k}" for k in args.verify_lengths] + (["dflash@lookup0"] if args.lookup_off else [])
-        for method in ("ar", "dflash", *fixed):
-            name, _, k = method.partition("@")
-            if k == "lookup0":  # the runtime's choice without the context lookup
-                dopts = DecodeOptions(decoder=name, lookup=0, cache_prompt=False)
-            else:
-                dopts = DecodeOptions(decoder=name, verify_length=int(k) if k else None, cache_prompt=False)
-            speeds, taus, verify, steps, committed = [], [], 0, 0, 0.0
-            outs = []
-            for i, p in enumerate([ids[0], *ids]):
-                toks: list[int] = []
-                for ev in pipe.stream(p, params, dopts):
-                    if isinstance(ev, Finished):
-                        st = ev.stats
-                    else:
-                        toks.extend(t.token_id for t in ev.tokens)
-                if i == 0:
-                    continue
-                outs.append(toks)
-                speeds.append(st.decode_tokens_per_second)
-                taus.append(st.tau)
-                verify = f"tree {st.tree_budget}" if st.tree_budget else st.verify_length
-                steps += st.verify_steps
-                committed += st.tau * st.verify_steps
-            outputs[method] = outs
-            row = {"engine": f"dflash ({engine})", "weights": label, "method": method, "tok_s": speeds}
-            if name == "dflash":
-                row["tau"] = committed / steps if steps else 1.0
-                row["verify"] = verify
-                row["same_as_ar"] = sum(a == b for a, b in zip(outputs["ar"], outs, strict=True))
-            rows.append(row)
-            print(f"  dflash {engine} {label} {method}: median {statistics.median(speeds):.2f} tok/s", file=sys.stderr)
-        del pipe
+
+
+def _methods(args: argparse.Namespace) -> list[str]:
+    return [
+        "ar",
+        "dflash",
+        *[f"dflash@{k}" for k in args.verify_lengths],
+        *(["dflash@lookup0"] if args.lookup_off else []),
+    ]
+
+
+def _row(
+    engine: str, label: str, method: str, results: list[dict[str, Any]], ar: list[dict[str, Any]] | None
+) -> dict[str, Any]:
+    """One table row from per-prompt results (``ar``: the plain row's, to count equal texts)."""
+    row: dict[str, Any] = {"engine": f"dflash ({engine})", "weights": label, "method": method}
+    row["tok_s"] = [r["tok_s"] for r in results]
+    if method.startswith("dflash"):
+        steps = sum(r["steps"] for r in results)
+        row["tau"] = sum(r["tau"] * r["steps"] for r in results) / steps if steps else 1.0
+        row["verify"] = results[-1]["verify"]
+        if ar is not None:
+            row["same_as_ar"] = sum(a["tokens"] == b["tokens"] for a, b in zip(ar, results, strict=True))
+    return row
+
+
+def dflash_rows(args: argparse.Namespace, prompt_texts: list[str]) -> list[dict[str, Any]]:
+    """This checkout's rows: each configuration loaded once, one warm-up prompt, then every prompt."""
+    from speed_worker import Runner
+
+    rows = []
+    for config in _configs(args):
+        runner = Runner({**config, "prompts": prompt_texts})
+        if config["engine"] == "hf":
+            assert runner.target_class == "TargetModel", runner.target_class
+        ar: list[dict[str, Any]] | None = None
+        for n in args.prefill:
+            runner.prefill(prefill_text(), n)  # warm-up
+            prefill = [runner.prefill(prefill_text(), n) for _ in range(PREFILL_RUNS)]
+            rows.append(
+                {"engine": f"dflash ({config['engine']})", "weights": runner.label, "prefill": n, "tok_s": prefill}
+            )
+            print(
+                f"  dflash {runner.label} prefill {n}: median {statistics.median(prefill):.1f} tok/s", file=sys.stderr
+            )
+        for method in _methods(args):
+            runner.run(method, 0)  # warm-up
+            results = [runner.run(method, i) for i in range(len(prompt_texts))]
+            ar = results if method == "ar" else ar
+            rows.append(_row(config["engine"], runner.label, method, results, ar))
+            print(
+                f"  dflash {config['engine']} {runner.label} {method}: median {statistics.median(rows[-1]['tok_s']):.2f} tok/s",
+                file=sys.stderr,
+            )
+        del runner
     return rows
 
 
-def baseline_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The dflash rows of the checkout at ``args.baseline`` (its own speed_table.py, same arguments)."""
-    base = Path(args.baseline).resolve()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "before.json"
-        cmd = [sys.executable, str(base / "scripts" / "speed_table.py"), "--dataset", args.dataset]
-        cmd += ["-n", str(args.max_tokens), "--threads", str(args.threads), "--out", str(out)]
-        cmd += ["--quantize", ",".join(args.quantize), "--float-dtypes", ",".join(args.float_dtypes)]
-        if args.limit is not None:
-            cmd += ["--limit", str(args.limit)]
-        for flag in ("target", "drafter", "models_dir"):
-            if getattr(args, flag):
-                cmd += [f"--{flag.replace('_', '-')}", getattr(args, flag)]
-        env = {**__import__("os").environ, "PYTHONPATH": str(base)}
-        print(f"baseline: {base}", file=sys.stderr)
-        subprocess.run(cmd, cwd=base, env=env, check=True, stdout=subprocess.DEVNULL)
-        return list(json.loads(out.read_text())["rows"])
+class _Worker:
+    """``speed_worker.py`` in a subprocess on the checkout at ``root`` (its ``runtime`` package)."""
+
+    def __init__(self, root: Path, config: dict[str, Any]) -> None:
+        script = Path(__file__).with_name("speed_worker.py")
+        env = {**os.environ, "PYTHONPATH": str(root)}
+        self.proc = subprocess.Popen(
+            [sys.executable, str(script), json.dumps(config)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=root, env=env,
+        )  # fmt: skip
+        self.info = self._read()
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"speed_worker.py failed on {self.proc.args}")
+        return dict(json.loads(line))
+
+    def run(self, method: str, prompt: int) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"method": method, "prompt": prompt}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(60)
+
+
+def ab_rows(args: argparse.Namespace, prompt_texts: list[str]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Rows of the checkout at ``args.baseline`` and of this one, interleaved prompt by prompt.
+
+    Both checkouts stay loaded (two worker processes, one decoding at a time); for every prompt both
+    decode it back to back, the first of the two alternating, so drift cannot favour either side."""
+    base, here = Path(args.baseline).resolve(), Path(__file__).resolve().parent.parent
+    print(f"baseline: {base} (interleaved with {here})", file=sys.stderr)
+    before: list[dict[str, Any]] = []
+    after: list[dict[str, Any]] = []
+    for config in _configs(args):
+        workers = [
+            _Worker(base, {**config, "prompts": prompt_texts}),
+            _Worker(here, {**config, "prompts": prompt_texts}),
+        ]
+        try:
+            label = workers[1].info["label"]
+            ar: list[list[dict[str, Any]] | None] = [None, None]
+            for method in _methods(args):
+                for w in workers:
+                    w.run(method, 0)  # warm-up
+                results: list[list[dict[str, Any]]] = [[], []]
+                for i in range(len(prompt_texts)):
+                    order = (0, 1) if i % 2 == 0 else (1, 0)
+                    got = {k: workers[k].run(method, i) for k in order}
+                    for k in (0, 1):
+                        results[k].append(got[k])
+                for k, rows in ((0, before), (1, after)):
+                    ar[k] = results[k] if method == "ar" else ar[k]
+                    rows.append(_row(config["engine"], label, method, results[k], ar[k]))
+                b, a = (statistics.median(rows[-1]["tok_s"]) for rows in (before, after))
+                print(
+                    f"  dflash {config['engine']} {label} {method}: before {b:.2f}, after {a:.2f} tok/s",
+                    file=sys.stderr,
+                )
+        finally:
+            for w in workers:
+                w.close()
+    return before, after
 
 
 def print_comparison(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> None:
-    """Before/after medians of the same rows, with the ratio and whether the text stayed the same."""
-    print("\n| weights | method | before tok/s | after tok/s | after/before | tau before | tau after | = ar after |")
-    print("|---|---|---|---|---|---|---|---|")
+    """Before/after medians of the same rows, the ratio of the medians and the median of the per-prompt
+    ratios (the two sides decoded each prompt back to back), and whether the text stayed the same."""
+    print(
+        "\n| weights | method | before tok/s | after tok/s | after/before | per-prompt ratio (median) | tau before | tau after | = ar after |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     old = {(r["weights"], r["method"]): r for r in before}
     for r in after:
         b = old.get((r["weights"], r["method"]))
         if b is None or not r["engine"].startswith("dflash"):
             continue
         mb, ma = statistics.median(b["tok_s"]), statistics.median(r["tok_s"])
+        paired = statistics.median(x / y for x, y in zip(r["tok_s"], b["tok_s"], strict=True))
         tb = f"{b['tau']:.2f}" if "tau" in b else "-"
         ta = f"{r['tau']:.2f}" if "tau" in r else "-"
         same = f"{r['same_as_ar']}/{len(r['tok_s'])}" if "same_as_ar" in r else "-"
-        print(f"| {r['weights']} | {r['method']} | {mb:.2f} | {ma:.2f} | {ma / mb:.3f} | {tb} | {ta} | {same} |")
+        print(
+            f"| {r['weights']} | {r['method']} | {mb:.2f} | {ma:.2f} | {ma / mb:.3f} | {paired:.3f} | {tb} | {ta} | {same} |"
+        )
     print()
 
 
@@ -212,13 +302,21 @@ def main() -> None:
     ap.add_argument(
         "--lookup-off", action="store_true", help="also a DFlash row without the context lookup (dflash@lookup0)"
     )
+    ap.add_argument(
+        "--prefill",
+        type=lambda v: [int(x) for x in v.split(",") if x.strip()],
+        default=[],
+        help="also prompt-reading rows: prompt tok/s on the first N tokens of a long code prompt (e.g. 512,2048)",
+    )
     ap.add_argument("--with-hf", action="store_true", help="also transformers' forward on bf16 (the step before)")
     ap.add_argument("--target")
     ap.add_argument("--drafter")
     ap.add_argument("--models-dir")
     ap.add_argument("--port", type=int, default=8091)
     ap.add_argument("--out")
-    ap.add_argument("--baseline", help="another checkout: its dflash rows first, then these, side by side")
+    ap.add_argument(
+        "--baseline", help="another checkout: its dflash rows and these, interleaved prompt by prompt, side by side"
+    )
     args = ap.parse_args()
     args.quantize = [q.strip() for q in args.quantize.split(",") if q.strip()]
     args.float_dtypes = [d.strip() for d in args.float_dtypes.split(",") if d.strip()]
@@ -233,13 +331,25 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     if args.llama_server:
         rows += llama_rows(args, prompts)
-    before = baseline_rows(args) if args.baseline else None
-    rows += dflash_rows(args, prompts)
-    if before is not None:
-        print_comparison(before, rows)
+    if args.baseline:
+        before, after = ab_rows(args, prompts)
+        rows += after
+        print_comparison(before, after)
+    else:
+        rows += dflash_rows(args, prompts)
+    prefill = [r for r in rows if "prefill" in r]
+    if prefill:
+        print("| engine | weights | prompt tokens | median prompt tok/s | min-max |")
+        print("|---|---|---|---|---|")
+        for r in prefill:
+            s = r["tok_s"]
+            print(
+                f"| {r['engine']} | {r['weights']} | {r['prefill']} | {statistics.median(s):.1f} | {min(s):.1f}-{max(s):.1f} |"
+            )
+        print()
     print("| engine | weights | method | median decode tok/s | min-max | tau | verify / tree | = ar |")
     print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
+    for r in (r for r in rows if "prefill" not in r):
         s = r["tok_s"]
         tau = f"{r['tau']:.2f}" if "tau" in r else ("-" if "accept" not in r else f"accept {100 * r['accept']:.0f}%")
         same = f"{r['same_as_ar']}/{len(s)}" if "same_as_ar" in r else "-"
