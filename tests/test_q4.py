@@ -99,15 +99,18 @@ def test_quantize_refuses_widths_that_are_not_whole_groups():
 def test_q4_gemm_computes_the_dequantized_product(n, k):
     q, s, m, sm = _layer(n, k, seed=n + k)
     w = dequantize(q, s, m).double()
-    b = torch.randn(n)
-    x = torch.randn(9, k)
+    gen = torch.Generator().manual_seed(n * k)
+    b = torch.randn(n, generator=gen)
+    x = torch.randn(9, k, generator=gen)
     x[3, 5] = 40.0  # an outlier sets its row's activation scale, not the others'
     y = gemm(x, q, sm, b)
     assert y.dtype == torch.float32 and y.shape == (9, n)
     ref = x.double() @ w.T + b.double()
     # exactly the product of the activations rounded per row to multiples of max|row| / 16383 ...
+    # (rounded as the kernel rounds them: x times the float32 inverse of the scale, ties to even;
+    # x / scale would now and then land on the other side of a .5 and move one step)
     xs = x.abs().amax(dim=1, keepdim=True) / 16383
-    exact = (torch.round(x / xs).double() * xs.double()) @ w.T + b.double()
+    exact = (torch.round(x * (1.0 / xs)).double() * xs.double()) @ w.T + b.double()
     assert float((y.double() - exact).abs().max() / exact.abs().max()) < 1e-5
     # ... which is within half a step of each row's scale per weight of the float product
     bound = 0.5 * xs.double() * w.abs().sum(dim=1) + 1e-5 * ref.abs().max()
