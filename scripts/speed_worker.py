@@ -51,8 +51,12 @@ class Runner:
         self.params = SamplingParams(max_new_tokens=config["max_tokens"])
         short = {"torch.bfloat16": "bf16", "torch.float32": "fp32"}
         act = getattr(self.pipe.target, "dtype", self.pipe.dtype)  # activations (float32 over bf16 or int8 weights)
-        dtype = short.get(str(act), str(act).removeprefix("torch."))
-        self.label = dtype if quant == "none" else f"{quant} ({dtype} act.)"
+        act_name = short.get(str(act), str(act).removeprefix("torch."))
+        weights = short.get(str(self.pipe.dtype), str(self.pipe.dtype).removeprefix("torch."))
+        if quant != "none":
+            self.label = f"{quant} ({act_name} act.)"
+        else:
+            self.label = weights if act == self.pipe.dtype else f"{weights} ({act_name} act.)"
         self.target_class = type(self.pipe.target).__name__
         from dataclasses import fields
 
@@ -85,6 +89,21 @@ class Runner:
             "verify": verify,
             "tokens": toks,
         }
+
+    def prefill(self, text: str, n: int) -> float:
+        """Prompt tok/s reading the first ``n`` tokens of ``text`` (raw, no chat template): ``n`` over
+        the time to the first token."""
+        from runtime import DecodeOptions, SamplingParams
+        from runtime.engine.events import PrefillDone
+
+        ids = self.pipe.encode(text, chat=False)[:n]
+        if len(ids) < n:
+            raise SystemExit(f"the prefill text has {len(ids)} tokens, fewer than {n}")
+        kw: dict[str, Any] = {"cache_prompt": False} if self.has_prompt_cache else {}
+        for ev in self.pipe.stream(ids, SamplingParams(max_new_tokens=1), DecodeOptions(decoder="ar", **kw)):
+            if isinstance(ev, PrefillDone):
+                return n / ev.seconds
+        raise AssertionError("no PrefillDone event")
 
 
 def main() -> None:
