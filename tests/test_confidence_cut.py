@@ -146,3 +146,36 @@ def test_cli_confidence_cut_flags(tiny_pair, tmp_path):
     doc = json.loads(r.stdout.splitlines()[-1])
     assert doc["config"]["confidence_cut"] is False
     assert doc["methods"][-1]["agreement"]["identical"] == 1
+
+
+def _outcome(ranks: list[int], nodes: int) -> object:
+    from runtime.engine.step import StepOutcome
+    from runtime.engine.tree import DraftTree
+
+    vals = [[math.log(0.9), math.log(0.05)] for _ in ranks]
+    tree = DraftTree((1,), (-1,), (0,), (-1,))
+    cands = SlotCandidates(vals, [[10, 50] for _ in ranks]) if ranks else None
+    return StepOutcome(tree, [0], [2], list(ranks), cands, nodes - 1, 0.01)
+
+
+def test_while_plain_decoding_pays_best_the_drafter_runs_only_on_probe_steps():
+    """Verifies this dear (each token +40%) and drafts this poor make plain decoding the fastest plan:
+    then steps skip the drafter (its forward would be paid for drafts the cut drops), all but one in
+    PROBE_EVERY, which still drafts so the planner keeps learning; once drafts are accepted again,
+    every step drafts."""
+    from runtime.engine.plan import PROBE_EVERY
+
+    dear = [1.0 + 0.4 * n for n in range(9)]
+    planner = AdaptivePlanner(7, dear, draft_cost=0.3, prior=[0.2], prior_weight=4, every=4, trees=False)
+    assert planner.choice == (0, 0) and planner.cut is not None
+    depths = []
+    for _ in range(2 * PROBE_EVERY):
+        plan = planner.plan()
+        depths.append(plan.depth)
+        planner.observe(_outcome([-1] if plan.depth else [], plan.depth + 1))  # probes are rejected
+    assert depths.count(0) == 2 * (PROBE_EVERY - 1) and all(d > 0 for d in depths[::PROBE_EVERY])
+    for _ in range(40):  # now the target takes every argmax draft: drafting pays again
+        plan = planner.plan()
+        planner.observe(_outcome([0] * plan.depth, plan.depth + 1) if plan.depth else _outcome([], 1))
+    assert planner.choice != (0, 0)
+    assert all(planner.plan().depth > 0 for _ in range(3))

@@ -30,6 +30,10 @@ GENERIC_CONDITIONAL = 0.7  # prior P(draft k accepted | drafts 1..k-1 accepted) 
 # Prior share of the non-argmax mass per rank (rank 1 gets RANK_DECAY of it, rank 2 RANK_DECAY^2 ...)
 RANK_SHARE = 0.35
 RANK_DECAY = 0.55
+# While plain decoding is the model's fastest plan, the cut's steps skip the drafter (its forward
+# would be paid for drafts the cut then drops); one step in PROBE_EVERY still drafts, so the coverage
+# and the cut's calibration keep learning and drafting comes back where it pays again.
+PROBE_EVERY = 4
 
 
 class FixedPlanner:
@@ -147,9 +151,12 @@ class AdaptivePlanner:
 
     def plan(self) -> StepPlan:
         """The next step: the planned tree or chain; under the cut, a best-first tree (a chain
-        where trees are off) up to ``tree_cap`` nodes, cut per step by ``keep``."""
+        where trees are off) up to ``tree_cap`` nodes, cut per step by ``keep``, or, while plain
+        decoding is the fastest plan, a step without drafts on all but one in ``PROBE_EVERY``."""
         b, k = self.choice
         if self.cut is not None:
+            if b == 0 and k == 0 and self._steps % PROBE_EVERY:
+                return StepPlan(0, 0, tree=self.trees, on_host=True, budget=0, planned=0)  # the target alone
             cap = self.tree_cap()
             depth = self.max_depth if self.trees else min(self.max_depth, cap)
             return StepPlan(depth, cap, tree=self.trees, on_host=True, budget=b, planned=self.max_depth if b else None)
