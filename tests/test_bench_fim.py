@@ -210,3 +210,19 @@ def test_fim_bench_bad_input(fim_pair, tiny_pair):
     r = bench("--server", "http://127.0.0.1:9", "--limit", "1")
     assert r.exit_code == 7 and "cannot reach http://127.0.0.1:9/infill" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_fim_header_names_quantized_weights():
+    """`--quantize int8` shows in the header above the table (the dtype alone said bfloat16)."""
+    from types import SimpleNamespace
+
+    from runtime.bench.fim_table import header_lines
+
+    env = {"target": {"id": "T"}, "drafter": {"id": "D"}, "device_name": "CPU", "quantize": "int8"}
+    result = SimpleNamespace(
+        environment=env, cases=[1, 2], config=SimpleNamespace(max_new_tokens=8), servers={}, dtype="bfloat16",
+        summary=lambda: {},
+    )  # fmt: skip
+    assert header_lines(result)[0].endswith("T + D, CPU, bfloat16, int8 weights")  # type: ignore[arg-type]
+    result.environment = {**env, "quantize": None}
+    assert header_lines(result)[0].endswith("T + D, CPU, bfloat16")  # type: ignore[arg-type]

@@ -118,6 +118,7 @@ def header_lines(result: FimBenchResult) -> list[str]:
     where = (
         f"{env.get('target', {}).get('id')} + {(env.get('drafter') or {}).get('id')}, "
         f"{env.get('device_name') or env.get('device')}, {result.dtype}"
+        + (f", {env['quantize']} weights" if env.get("quantize") else "")
         if env
         else "servers only"
     )
