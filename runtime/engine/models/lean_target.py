@@ -131,7 +131,8 @@ class LeanTarget(TargetModel):
             pack = FusedLinear.can_pack(self.device, weights)
         self.packed = pack
         if float_activations is None:  # where dflash's kernels run the projections: they take float32 rows
-            q_weight = self.layers[0].self_attn.q_proj.weight
+            first: Any = self.layers[0]
+            q_weight = first.self_attn.q_proj.weight
             float_activations = pack and (
                 (weights == torch.bfloat16 and FusedLinear.native_bf16_runs(self.device))
                 or FusedLinear.native_quantized_runs(q_weight)
