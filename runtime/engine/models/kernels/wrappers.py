@@ -46,71 +46,60 @@ def _need(name: str, what: str, t: object, dtype: torch.dtype, shape: tuple[int,
         raise ValueError(f"{name}: {what} must be a contiguous {kind} tensor [{dims}] on the CPU, {_described(t)}")
 
 
-def _wrap_int8(c_fn: ctypes._NamedFuncPointer) -> Int8Gemm:
-    c_fn.restype = ctypes.c_int
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    c_fn.argtypes = [p, i64, i64, p, p, p, i64, p, ctypes.c_int]
-
-    def gemm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        x = _f32("int8 GEMM", x)
-        m, k = x.shape
-        _need("int8 GEMM", "w", w, torch.int8, (-1, k))
-        n = w.shape[0]
-        _need("int8 GEMM", "scale", scale, torch.float32, (n,))
-        if bias is not None:
-            _need("int8 GEMM", "bias", bias, torch.float32, (n,))
-        y = torch.empty((m, n), dtype=torch.float32)
-        rc = c_fn(
-            x.data_ptr(),
-            m,
-            k,
-            w.data_ptr(),
-            scale.data_ptr(),
-            bias.data_ptr() if bias is not None else None,
-            n,
-            y.data_ptr(),
-            torch.get_num_threads(),
-        )
-        if rc != 0:
-            raise MemoryError(f"int8 GEMM: no memory for a {m}x{k} activation buffer")
-        return y
-
-    return gemm
+def _int8_weights(name: str, w: torch.Tensor, scale: torch.Tensor, k: int) -> None:
+    _need(name, "w", w, torch.int8, (-1, k))
+    _need(name, "scale", scale, torch.float32, (w.shape[0],))
 
 
-def _wrap_q4(c_fn: ctypes._NamedFuncPointer) -> Q4Gemm:
-    c_fn.restype = ctypes.c_int
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    c_fn.argtypes = [p, i64, i64, p, p, p, i64, p, ctypes.c_int]
-    name = "q4 GEMM"
+def _q4_weights(name: str, w: torch.Tensor, sm: torch.Tensor, k: int) -> None:
+    if k % 32 != 0:
+        raise ValueError(f"{name}: K must be a multiple of 32, got {k}")
+    _need(name, "w", w, torch.uint8, (-1, k // 2))
+    _need(name, "sm", sm, torch.float16, (w.shape[0], 2 * 8 * ((k // 32 + 7) // 8)))
 
-    def gemm(x: torch.Tensor, w: torch.Tensor, sm: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        x = _f32(name, x)
-        m, k = x.shape
-        if k % 32 != 0:
-            raise ValueError(f"{name}: K must be a multiple of 32, got {k}")
-        _need(name, "w", w, torch.uint8, (-1, k // 2))
-        n = w.shape[0]
-        _need(name, "sm", sm, torch.float16, (n, 2 * 8 * ((k // 32 + 7) // 8)))
-        if bias is not None:
-            _need(name, "bias", bias, torch.float32, (n,))
-        y = torch.empty((m, n), dtype=torch.float32)
-        rc = c_fn(
-            x.data_ptr(),
-            m,
-            k,
-            w.data_ptr(),
-            sm.data_ptr(),
-            bias.data_ptr() if bias is not None else None,
-            n,
-            y.data_ptr(),
-            torch.get_num_threads(),
-        )
-        if rc != 0:
-            raise MemoryError(f"{name}: no memory for a {m}x{k} activation buffer")
-        return y
 
-    return gemm
+def _wrap_scaled(
+    name: str, check: Callable[[str, torch.Tensor, torch.Tensor, int], None]
+) -> Callable[[ctypes._NamedFuncPointer], Int8Gemm]:
+    """The wrapper of a GEMM over quantized weights with per-row or per-group scales (int8, q4):
+    ``check`` validates the weights and scales for K; the C function returns 0, or -1 without memory
+    for its activation buffer."""
+
+    def wrap(c_fn: ctypes._NamedFuncPointer) -> Int8Gemm:
+        c_fn.restype = ctypes.c_int
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        c_fn.argtypes = [p, i64, i64, p, p, p, i64, p, ctypes.c_int]
+
+        def gemm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            x = _f32(name, x)
+            m, k = x.shape
+            check(name, w, scales, k)
+            n = w.shape[0]
+            if bias is not None:
+                _need(name, "bias", bias, torch.float32, (n,))
+            y = torch.empty((m, n), dtype=torch.float32)
+            rc = c_fn(
+                x.data_ptr(),
+                m,
+                k,
+                w.data_ptr(),
+                scales.data_ptr(),
+                bias.data_ptr() if bias is not None else None,
+                n,
+                y.data_ptr(),
+                torch.get_num_threads(),
+            )
+            if rc != 0:
+                raise MemoryError(f"{name}: no memory for a {m}x{k} activation buffer")
+            return y
+
+        return gemm
+
+    return wrap
+
+
+_wrap_int8 = _wrap_scaled("int8 GEMM", _int8_weights)
+_wrap_q4: Callable[[ctypes._NamedFuncPointer], Q4Gemm] = _wrap_scaled("q4 GEMM", _q4_weights)
 
 
 def _wrap_float(weights: torch.dtype, returns_rc: bool = False) -> Callable[[ctypes._NamedFuncPointer], Bf16Gemm]:
