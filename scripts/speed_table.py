@@ -25,6 +25,7 @@ Example (see docs/speed.md and docs/llamacpp.md):
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -45,6 +46,7 @@ def _post(url: str, body: dict[str, Any], timeout: float = 600) -> dict[str, Any
 PREFILL_RUNS = 3  # timed prompt readings per length, after one warm-up
 
 
+@functools.cache
 def prefill_text() -> str:
     """The long prompt of the prefill rows: this checkout's engine source (code, as editors send it);
     each engine reads the first N tokens of it as its own tokenizer splits it (the same tokenizer)."""
