@@ -77,6 +77,16 @@ def train(
             "--answer-tokens caps a chunk, --gen-batch sets chunks per shard).",
         ),
     ] = None,
+    fim_from: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--fim-from",
+            help="Build a fill-in-the-middle dataset: holes cut from the source files under this folder as "
+            "editors cut them (rest of a line, lines, a block, a function body; 'auto' as for --text-from; "
+            "repeatable), middles answered greedily by the target in its FIM layout (generator 'fim'; "
+            "--answer-tokens caps a middle).",
+        ),
+    ] = None,
     self_instruct: Annotated[
         bool,
         typer.Option(
@@ -237,6 +247,7 @@ def train(
         prompts=prompts,
         prompts_from=prompts_from,
         text_from=tuple(text_from or ()),
+        fim_from=tuple(fim_from or ()),
         self_instruct=self_instruct,
         answer_tokens=answer_tokens,
         gen_batch=gen_batch,

@@ -88,6 +88,10 @@ def prepare_data(
             extra_meta={"spec": spec_meta},
         )
         return data_dir
+    if spec.generator == "fim":  # a middle ends at the family's end-of-middle tokens too
+        from runtime.fim import require
+
+        stop_ids = tuple(sorted(set(stop_ids) | set(require(tokenizer, "the target").stop_ids)))
     generate_dataset(
         target,
         tokenizer,

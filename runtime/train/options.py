@@ -35,6 +35,7 @@ class TrainOptions:
     prompts: int | None = None
     prompts_from: Path | None = None
     text_from: tuple[str, ...] = ()
+    fim_from: tuple[str, ...] = ()
     self_instruct: bool = False
     answer_tokens: int = 320
     gen_batch: int = 32

@@ -13,6 +13,7 @@ from typing import Any
 from runtime.errors import ConfigError
 from runtime.train.answers import build_prompts_from_answers, read_answers
 from runtime.train.data import Progress
+from runtime.train.fim_prompts import build_fim_prompts
 from runtime.train.generator import build_prompts_v2
 from runtime.train.prompt_list import PROMPTS_FILE, TrainPrompt, read_prompts, write_prompts
 from runtime.train.prompts import build_prompts_v1
@@ -75,6 +76,11 @@ def stored_prompts(
         fresh = build_text_prompts(list(spec.text_roots) or default_roots(), seed=spec.seed, max_prompts=cap)
         if not fresh and not stored:
             raise ConfigError("no source files to build a text dataset from (give --text-from DIR)")
+    elif spec.generator == "fim":
+        roots = list(spec.text_roots) or default_roots()
+        fresh = build_fim_prompts(roots, tokenizer, seed=spec.seed, max_prompts=cap)
+        if not fresh and not stored:
+            raise ConfigError("no source files to cut fill-in-the-middle holes from (give --fim-from DIR)")
     else:
         fresh = build_prompts(seed=spec.seed, max_prompts=cap, generator=spec.generator)
     have = {_prompt_key(p) for p in stored}

@@ -76,9 +76,11 @@ class DataSpec:
         generator: prompt generator ("v2": the broad mix of ``runtime.train.generator``;
             "answers": requests on the code of an earlier dataset's answers, ``runtime.train.answers``;
             "text": real source files scored by the target, no generation, ``runtime.train.text``;
+            "fim": holes cut from real source files, answered by the target in its FIM layout,
+            ``runtime.train.fim_prompts``;
             "self": requests written by the target itself, ``runtime.train.selfinstruct``).
         source: the earlier dataset folder of the "answers" generator.
-        text_roots: source folders of the "text" generator (empty: ``text.default_roots()``).
+        text_roots: source folders of the "text" and "fim" generators (empty: ``text.default_roots()``).
     """
 
     num_prompts: int | None = None

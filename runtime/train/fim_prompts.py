@@ -1,0 +1,220 @@
+"""Fill-in-the-middle training prompts: holes cut from real source files as editors cut them.
+
+An editor plugin (llama.vim, llama.vscode, Continue, Tabby) sends the text before the cursor, the
+text after it and asks for the middle. A drafter trained only on chat answers has never seen a
+middle; this generator ("fim", ``dflash train --fim-from``) makes prompts in the target's own FIM
+layout (``runtime.fim``) from files under the given folders, and the dataset builder then has the
+target answer them greedily, so every label is the target's own middle.
+
+Holes are cut the four ways the held-out cases of ``dflash bench --dataset fim`` are
+(``runtime.bench.fim_cases.CUTS``):
+
+- ``line``: the cursor inside a line (after its indentation and at least one typed character),
+  the rest of the line cut;
+- ``lines``: the cursor at the start of a line, 2-4 lines cut;
+- ``block``: the lines indented under a line that opens a block (``:`` or ``{``), at most 12;
+- ``body``: a function's whole body (a ``def`` in Python, a top-level ``...) {`` elsewhere), at most 25
+  lines.
+
+The prefix keeps at most ``prefix_chars`` before the cursor (cut at a line start) and the suffix
+at most ``suffix_chars`` after the hole (cut at a line end), as editors send a window around the
+cursor. Files whose text holds a control-token spelling (``<|...|>``) are skipped: the raw prompt is
+tokenised with the control tokens parsed. Prompts that duplicate an evaluation prompt (the FIM cases
+included, ``runtime.train.dedupe``) are dropped.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from runtime.train.prompt_list import TrainPrompt
+
+CUTS = ("line", "lines", "block", "body")
+CUT_MIX = (0.35, 0.25, 0.2, 0.2)  # line, lines, block, body
+FIM_SUFFIXES = {
+    ".py": "python",
+    ".js": "javascript",
+    ".mjs": "javascript",
+    ".ts": "typescript",
+    ".c": "c",
+    ".h": "c",
+    ".cpp": "cpp",
+    ".cc": "cpp",
+    ".hpp": "cpp",
+    ".go": "go",
+    ".rs": "rust",
+    ".java": "java",
+    ".sh": "bash",
+    ".sql": "sql",
+}
+_BRACE_FN = re.compile(r"^[A-Za-z_].*\)\s*(const\s*)?\{\s*$")
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip(" \t"))
+
+
+def _block_end(lines: Sequence[str], head: int, limit: int) -> int | None:
+    """Index after the last line indented deeper than ``lines[head]`` (blank lines inside kept),
+    or None when the block is empty or longer than ``limit`` lines."""
+    base = _indent(lines[head])
+    end = head + 1
+    last = None
+    while end < len(lines):
+        line = lines[end]
+        if line.strip():
+            if _indent(line) <= base:
+                break
+            last = end
+        end += 1
+    if last is None or last - head > limit:
+        return None
+    return last + 1
+
+
+def _hole(lines: list[str], cut: str, rng: random.Random, lang: str) -> tuple[int, int, int, int] | None:
+    """(first line, column, end line, end column) of a hole of kind ``cut``; the hole ends at the
+    start of ``end line`` when ``end column`` is 0."""
+    n = len(lines)
+    if cut == "line":
+        cands = [i for i, s in enumerate(lines) if len(s.strip()) >= 12]
+        if not cands:
+            return None
+        i = rng.choice(cands)
+        lo = _indent(lines[i]) + 1
+        hi = len(lines[i].rstrip()) - 4
+        if hi <= lo:
+            return None
+        return i, rng.randint(lo, hi), i, len(lines[i])
+    if cut == "lines":
+        cands = [i for i in range(1, n - 2) if lines[i].strip()]
+        if not cands:
+            return None
+        i = rng.choice(cands)
+        k = rng.randint(2, 4)
+        if i + k > n:
+            return None
+        return i, _indent(lines[i]), i + k, 0
+    if cut in ("block", "body"):
+        if cut == "body":
+            pat = re.compile(r"^\s*(async\s+)?def \w") if lang == "python" else _BRACE_FN
+            limit = 25
+        else:
+            pat = re.compile(r".*[:{]\s*$")
+            limit = 12
+        heads = [i for i, s in enumerate(lines[:-1]) if pat.match(s) and not s.lstrip().startswith(("#", "//", "*"))]
+        rng.shuffle(heads)
+        for h in heads[:8]:
+            end = _block_end(lines, h, limit)
+            if end is None:
+                continue
+            first = h + 1
+            if lang == "python" and cut == "body":  # keep a docstring: editors complete below it
+                first = _after_docstring(lines, first, end)
+            if first >= end:
+                continue
+            return first, _indent(lines[first]), end, 0
+        return None
+    raise ValueError(f"unknown cut {cut!r}")
+
+
+def _after_docstring(lines: Sequence[str], first: int, end: int) -> int:
+    s = lines[first].strip()
+    for quote in ('"""', "'''"):
+        if s.startswith(quote):
+            if s.count(quote) >= 2 and len(s) > 3:
+                return first + 1
+            for j in range(first + 1, end):
+                if quote in lines[j]:
+                    return j + 1
+    return first
+
+
+def cut_file(
+    text: str, rng: random.Random, lang: str, cut: str, prefix_chars: int = 1500, suffix_chars: int = 500
+) -> tuple[str, str, str] | None:
+    """(prefix, middle, suffix) of one hole of kind ``cut`` in ``text``, or None where none fits."""
+    lines = text.split("\n")
+    hole = _hole(lines, cut, rng, lang)
+    if hole is None:
+        return None
+    i, col, j, jcol = hole
+    start = sum(len(s) + 1 for s in lines[:i]) + col
+    stop = sum(len(s) + 1 for s in lines[:j]) + jcol
+    prefix, middle, suffix = text[:start], text[start:stop], text[stop:]
+    if len(middle.strip()) < 2:
+        return None
+    if len(prefix) > prefix_chars:  # a window around the cursor, cut at line boundaries
+        cut_at = prefix.find("\n", len(prefix) - prefix_chars)
+        prefix = prefix[cut_at + 1 :] if cut_at >= 0 else prefix[-prefix_chars:]
+    if len(suffix) > suffix_chars:
+        cut_at = suffix.rfind("\n", 0, suffix_chars)
+        suffix = suffix[: cut_at + 1] if cut_at > 0 else suffix[:suffix_chars]
+    if len(prefix.strip()) < 40:
+        return None
+    return prefix, middle, suffix
+
+
+def fim_text(tokenizer: Any, prefix: str, suffix: str) -> str:
+    """The raw prompt text of a hole in the target's FIM layout (control tokens spelled out; the
+    dataset builder tokenises it with them parsed). Raises ``InputError`` without FIM tokens."""
+    from runtime.fim import require
+
+    n = require(tokenizer, "the target").names
+    return f"{n['prefix']}{prefix}{n['suffix']}{suffix}{n['middle']}"
+
+
+def build_fim_prompts(
+    roots: Sequence[Path],
+    tokenizer: Any,
+    seed: int = 0,
+    max_prompts: int | None = None,
+    prefix_chars: int = 1500,
+    suffix_chars: int = 500,
+    dedupe: bool = True,
+) -> list[TrainPrompt]:
+    """FIM prompts cut from the source files under ``roots``, languages mixed as the text
+    generator mixes them (``runtime.train.text.LANG_MIX``), cuts by ``CUT_MIX``, at most one hole
+    per file. ``source`` is ``fim:LANG:CUT:FILE``."""
+    from runtime.train.generator import drop_evaluation_duplicates, source_files
+    from runtime.train.text import LANG_MIX
+
+    rng = random.Random(seed)
+    by_lang: dict[str, list[Path]] = {}
+    for p in source_files(roots, FIM_SUFFIXES):
+        by_lang.setdefault(FIM_SUFFIXES[p.suffix], []).append(p)
+    for files in by_lang.values():
+        rng.shuffle(files)
+    cursor = dict.fromkeys(by_lang, 0)
+    taken = dict.fromkeys(by_lang, 0)
+    out: list[TrainPrompt] = []
+    limit = max_prompts if max_prompts is not None else sum(len(v) for v in by_lang.values())
+    while len(out) < limit:
+        open_langs = [lang for lang in by_lang if cursor[lang] < len(by_lang[lang])]
+        if not open_langs:
+            break
+        total = max(sum(taken.values()), 1)
+        lang = min(open_langs, key=lambda x: (taken[x] / total - LANG_MIX.get(x, 0.02), x))
+        path = by_lang[lang][cursor[lang]]
+        cursor[lang] += 1
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        lines = text.splitlines()
+        if len(lines) < 12 or max(len(s) for s in lines) > 200 or "<|" in text or "\r" in text:
+            continue
+        cut = rng.choices(CUTS, weights=CUT_MIX)[0]
+        parts = cut_file(text, rng, lang, cut, prefix_chars, suffix_chars)
+        if parts is None:
+            continue
+        prefix, _, suffix = parts
+        taken[lang] += 1
+        out.append(TrainPrompt(fim_text(tokenizer, prefix, suffix), False, f"fim:{lang}:{cut}:{path.name}"))
+    if dedupe:
+        out = drop_evaluation_duplicates({"fim": out})["fim"]
+    return out
