@@ -42,15 +42,16 @@ def _choices_here(tmp_path, monkeypatch):
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("k", [896, 4864, 77, 33, 100])
 def test_every_row_is_computed_as_if_alone(path, k):
-    """1 row alone vs the same row inside 2, 3, 8 and 17 rows: bit-identical, on each path."""
+    """1 row alone vs the same row inside 2, 3, 8, 17 rows and a prompt's 33 and 70 (tiles of four
+    weight rows, passes of 64): bit-identical, on each path."""
     fn = _path_fn(path)
     g = torch.Generator().manual_seed(k)
-    w = (torch.randn(45, k, generator=g) / 10).to(torch.bfloat16)  # odd: the last weight row alone
+    w = (torch.randn(45, k, generator=g) / 10).to(torch.bfloat16)  # 45 = 4 * 11 + 1: a last row alone
     b = torch.randn(45, generator=g)
-    x = torch.randn(17, k, generator=g)
+    x = torch.randn(70, k, generator=g)
     x[3] *= 1e4  # a row of large values beside small ones
-    alone = [fn(x[i : i + 1], w, b) for i in range(17)]
-    for t in (2, 3, 8, 17):
+    alone = [fn(x[i : i + 1], w, b) for i in range(70)]
+    for t in (2, 3, 8, 17, 33, 70):
         block = fn(x[:t], w, b)
         for i in range(t):
             assert torch.equal(block[i : i + 1], alone[i]), (t, i)

@@ -296,56 +296,86 @@ static inline __attribute__((always_inline)) void int8_rows(const int8_t *w, int
  * per weight, which is what a verify block of several rows is bound by. */
 #define V512 __attribute__((target("avx512f,avx512bw,avx512vnni")))
 
-V512 static inline __attribute__((always_inline)) void tile512(const int8_t *w, int64_t K, const int16_t *xq, int64_t Kp, int MX, int64_t *out) {
-    int64_t tot[8] = {0, 0, 0, 0, 0, 0, 0, 0}; /* MX <= 8 */
+V512 static inline __attribute__((always_inline)) void tile512(const int8_t *w, int64_t K, const int16_t *xq, int64_t Kp, int NW, int MX, int64_t *out) {
+    /* NW weight rows (K bytes apart) x MX int16 rows: out[a * MX + b]; NW * MX <= 16 */
+    int64_t tot[16] = {0};
     const int64_t K32 = K & ~(int64_t)31;
     for (int64_t k0 = 0; k0 < K32; k0 += CHUNK) {
         const int64_t k1 = k0 + CHUNK < K32 ? k0 + CHUNK : K32;
-        __m512i acc[8];
-        for (int b = 0; b < MX; b++) acc[b] = _mm512_setzero_si512();
+        __m512i acc[16];
+        for (int i = 0; i < NW * MX; i++) acc[i] = _mm512_setzero_si512();
         int64_t k = k0;
         for (; k + 64 <= k1; k += 64) {
-            _mm_prefetch((const char *)(w + k) + PREFETCH, _MM_HINT_T0);
-            const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + k)));
-            const __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + k + 32)));
+            __m512i w0[4], w1[4];
+            for (int a = 0; a < NW; a++) {
+                if (NW == 1)
+                    _mm_prefetch((const char *)(w + k) + PREFETCH, _MM_HINT_T0);
+                else /* the same k of the next tile's rows */
+                    _mm_prefetch((const char *)(w + (a + NW) * K + k), _MM_HINT_T0);
+                w0[a] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + a * K + k)));
+                w1[a] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + a * K + k + 32)));
+            }
             for (int b = 0; b < MX; b++) {
-                acc[b] = _mm512_dpwssd_epi32(acc[b], w0, _mm512_loadu_si512((const void *)(xq + b * Kp + k)));
-                acc[b] = _mm512_dpwssd_epi32(acc[b], w1, _mm512_loadu_si512((const void *)(xq + b * Kp + k + 32)));
+                const __m512i x0 = _mm512_loadu_si512((const void *)(xq + b * Kp + k));
+                const __m512i x1 = _mm512_loadu_si512((const void *)(xq + b * Kp + k + 32));
+                for (int a = 0; a < NW; a++) {
+                    acc[a * MX + b] = _mm512_dpwssd_epi32(acc[a * MX + b], w0[a], x0);
+                    acc[a * MX + b] = _mm512_dpwssd_epi32(acc[a * MX + b], w1[a], x1);
+                }
             }
         }
         for (; k < k1; k += 32) {
-            const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + k)));
-            for (int b = 0; b < MX; b++)
-                acc[b] = _mm512_dpwssd_epi32(acc[b], w0, _mm512_loadu_si512((const void *)(xq + b * Kp + k)));
+            for (int a = 0; a < NW; a++) {
+                const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + a * K + k)));
+                for (int b = 0; b < MX; b++)
+                    acc[a * MX + b] = _mm512_dpwssd_epi32(acc[a * MX + b], w0, _mm512_loadu_si512((const void *)(xq + b * Kp + k)));
+            }
         }
+        for (int i = 0; i < NW * MX; i++) {
+            const __m512i lo = _mm512_cvtepi32_epi64(_mm512_castsi512_si256(acc[i]));
+            const __m512i hi = _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(acc[i], 1));
+            tot[i] += _mm512_reduce_add_epi64(_mm512_add_epi64(lo, hi));
+        }
+    }
+    for (int a = 0; a < NW; a++)
         for (int b = 0; b < MX; b++) {
-            const __m512i lo = _mm512_cvtepi32_epi64(_mm512_castsi512_si256(acc[b]));
-            const __m512i hi = _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(acc[b], 1));
-            tot[b] += _mm512_reduce_add_epi64(_mm512_add_epi64(lo, hi));
+            int64_t t = tot[a * MX + b];
+            for (int64_t k = K32; k < K; k++) t += (int64_t)w[a * K + k] * xq[b * Kp + k];
+            out[a * MX + b] = t;
         }
-    }
-    for (int b = 0; b < MX; b++) {
-        int64_t t = tot[b];
-        for (int64_t k = K32; k < K; k++) t += (int64_t)w[k] * xq[b * Kp + k];
-        out[b] = t;
-    }
 }
 
+/* weight rows [n, n + NW) against every input row of the pass */
 V512 static void int8_rows512(const int8_t *w, int64_t K, const int16_t *xq, int64_t Kp, const float *xs, int64_t M,
-                              int64_t N, int64_t n, const float *scale, const float *bias, float *y) {
-    int64_t dots[8];
+                              int64_t N, int64_t n, int NW, const float *scale, const float *bias, float *y) {
+    int64_t dots[16];
+    const int mmax = NW == 4 ? 4 : 8;
     for (int64_t m = 0; m < M;) {
         const int64_t left = M - m;
-        const int MX = left >= 8 ? 8 : (int)left;
-        switch (MX) { /* literal shapes, so each tile is compiled unrolled */
-#define T(mx) case mx: tile512(w + n * K, K, xq + m * Kp, Kp, mx, dots); break;
-            T(1) T(2) T(3) T(4) T(5) T(6) T(7) T(8)
+        const int MX = left >= mmax ? mmax : (int)left;
+        switch (NW * 16 + MX) { /* literal shapes, so each tile is compiled unrolled */
+#define T(nw, mx) case nw * 16 + mx: tile512(w + n * K, K, xq + m * Kp, Kp, nw, mx, dots); break;
+            T(1, 1) T(1, 2) T(1, 3) T(1, 4) T(1, 5) T(1, 6) T(1, 7) T(1, 8)
+            T(2, 1) T(2, 2) T(2, 3) T(2, 4) T(2, 5) T(2, 6) T(2, 7) T(2, 8)
+            T(4, 1) T(4, 2) T(4, 3) T(4, 4)
 #undef T
         }
-        store_dots(dots, 1, MX, xs + m, scale + n, bias ? bias + n : NULL, N, y + m * N + n);
+        store_dots(dots, NW, MX, xs + m, scale + n, bias ? bias + n : NULL, N, y + m * N + n);
         m += MX;
     }
 }
+
+/* Passes of at least INT8_QUAD_M input rows (a prompt's prefill) take several weight rows per tile on
+ * the AVX-512 path, so each activation vector loaded serves them all: four weight rows x four input
+ * rows where N >= INT8_QUAD_N, else two x eight (measured on a 2-core AVX-512 EPYC, 512 rows: the
+ * MLP's 9728 x 896 and 896 x 4864 ran 1.6-1.7x faster with four, the attention's 1152 x 896 and
+ * 896 x 896 slower with four and faster with two). */
+#ifndef INT8_QUAD_M
+#define INT8_QUAD_M 32
+#endif
+#ifndef INT8_QUAD_N
+#define INT8_QUAD_N 2048
+#endif
 
 /* Which int8 path runs: -1 = not chosen yet, 0 = AVX2, 1 = AVX-512 VNNI. */
 static int int8_isa = -1;
@@ -380,8 +410,16 @@ int dflash_int8_gemm(const float *x, int64_t M, int64_t K, const int8_t *w, cons
         const int16_t *xb = xq + m0 * Kp;
         float *yb = y + m0 * N;
         if (int8_isa == 1) {
+            const int nw = mb >= INT8_QUAD_M ? (N >= INT8_QUAD_N ? 4 : 2) : 1;
+            const int64_t tiles = (N + nw - 1) / nw;
 #pragma omp parallel for num_threads(threads) schedule(static)
-            for (int64_t n = 0; n < N; n++) int8_rows512(w, K, xb, Kp, xs + m0, mb, N, n, scale, bias, yb);
+            for (int64_t t = 0; t < tiles; t++) {
+                const int64_t n = nw * t;
+                if (N - n >= nw)
+                    int8_rows512(w, K, xb, Kp, xs + m0, mb, N, n, nw, scale, bias, yb);
+                else /* the last rows one at a time */
+                    for (int64_t r = n; r < N; r++) int8_rows512(w, K, xb, Kp, xs + m0, mb, N, r, 1, scale, bias, yb);
+            }
         } else {
 #pragma omp parallel for num_threads(threads) schedule(static)
             for (int64_t n = 0; n < N; n++) int8_rows(w, K, xb, Kp, xs + m0, mb, N, n, 1, scale, bias, yb);
@@ -424,7 +462,7 @@ void dflash_f32_gemm(const float *x, int64_t M, int64_t K, const float *w, const
  *
  * Exactness contract, as above: every (weight row, input row) pair is reduced the same way whatever
  * the row count, the other rows and the thread count (see dp_tile), then biased. Input rows are taken
- * up to eight at a time against one or two weight rows only to share loads. Measured on a 2-core
+ * up to eight at a time against one, two or four weight rows only to share loads. Measured on a 2-core
  * AVX-512-BF16 EPYC, weights streamed from memory, one thread: two weight rows per tile made an
  * 8-row verify at K = 4864 1.7x faster but every call at K = 896 1.5-2x slower (two streams 1.8 KB
  * apart), so rows of at least DP_PAIR_K go in pairs.
@@ -435,6 +473,20 @@ void dflash_f32_gemm(const float *x, int64_t M, int64_t K, const float *w, const
  * dflash_bf16_gemm instead (never an illegal instruction). */
 #ifndef DP_PAIR_K
 #define DP_PAIR_K 2048
+#endif
+/* Passes of at least DP_QUAD_M input rows (a prompt's prefill) take several weight rows per tile, so
+ * each activation vector loaded serves them all: four weight rows x four input rows where N >=
+ * DP_QUAD_N (8 loads per 16 vdpbf16ps instead of 9 per 8), else two x eight (measured on a 2-core
+ * AVX-512-BF16 EPYC, 512 rows: 9728 x 896 ran 1.6x faster with four, 1152 x 896 and 896 x 896 slower
+ * with four than with one and ~1.4x faster with two). */
+#ifndef DP_QUAD_M
+#define DP_QUAD_M 32
+#endif
+#ifndef DP_QUAD_N
+#define DP_QUAD_N 2048
+#endif
+#ifndef DP_SMALL_NW
+#define DP_SMALL_NW 2
 #endif
 #ifndef HAVE_BF16DP /* -DHAVE_BF16DP=0 builds the fallback only (as an older compiler does) */
 #if (defined(__clang__) && __clang_major__ >= 9) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 10)
@@ -477,24 +529,24 @@ VBF16 static void bf16_rows(const float *x, int64_t M, int64_t K, int64_t Kp, ui
     }
 }
 
-/* NW weight rows (w, K elements apart; NW <= 2) against MX bf16 rows (xb, Kp apart; MX <= 8):
+/* NW weight rows (w, K elements apart; NW <= 4, NW * MX <= 16) against MX bf16 rows (xb, Kp apart; MX <= 8):
  * out[a * MX + b] = the dot product of weight row a and input row b. Each pair has one 16-lane
  * accumulator over k in 32-element chunks, in order (the last chunk zero-padded), reduced across lanes
  * in a fixed order: the same instructions for a pair whatever NW, MX or tile it sits in. */
 VBF16 static inline __attribute__((always_inline)) void dp_tile(const uint16_t *w, int64_t K, const uint16_t *xb,
                                                                  int64_t Kp, int NW, int MX, float *out) {
-    __m512 acc[2][8];
+    __m512 acc[4][8];
     for (int a = 0; a < NW; a++)
         for (int b = 0; b < MX; b++) acc[a][b] = _mm512_setzero_ps();
     const int64_t K32 = K & ~(int64_t)31;
     int64_t k = 0;
     for (; k < K32; k += 32) {
-        __m512bh wv[2];
+        __m512bh wv[4];
         for (int a = 0; a < NW; a++) {
             if (NW == 1) /* one stream: PREFETCH bytes ahead in its row */
                 _mm_prefetch((const char *)(w + k) + PREFETCH, _MM_HINT_T0);
-            else /* two rows: the same k of the next pair */
-                _mm_prefetch((const char *)(w + (a + 2) * K + k), _MM_HINT_T0);
+            else /* several rows: the same k of the next tile's rows */
+                _mm_prefetch((const char *)(w + (a + NW) * K + k), _MM_HINT_T0);
             wv[a] = (__m512bh)_mm512_loadu_si512((const void *)(w + a * K + k));
         }
         for (int b = 0; b < MX; b++) {
@@ -504,7 +556,7 @@ VBF16 static inline __attribute__((always_inline)) void dp_tile(const uint16_t *
     }
     if (k < K) { /* the last chunk: weights masked, activations zero-padded to Kp */
         const __mmask32 mask = (__mmask32)((1u << (K - k)) - 1);
-        __m512bh wv[2];
+        __m512bh wv[4];
         for (int a = 0; a < NW; a++) wv[a] = (__m512bh)_mm512_maskz_loadu_epi16(mask, (const void *)(w + a * K + k));
         for (int b = 0; b < MX; b++) {
             const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(xb + b * Kp + k));
@@ -518,13 +570,15 @@ VBF16 static inline __attribute__((always_inline)) void dp_tile(const uint16_t *
 VBF16 static void dp_rows(const uint16_t *w, int64_t K, const uint16_t *xb, int64_t Kp, int64_t M, int64_t N,
                           int64_t n, int NW, const float *bias, float *y) {
     float dots[16];
+    const int mmax = NW == 4 ? 4 : 8; /* NW * MX accumulators <= 16 */
     for (int64_t m = 0; m < M;) {
         const int64_t left = M - m;
-        const int MX = left >= 8 ? 8 : (int)left;
+        const int MX = left >= mmax ? mmax : (int)left;
         switch (NW * 16 + MX) { /* literal shapes, so each tile is compiled unrolled */
 #define T(nw, mx) case nw * 16 + mx: dp_tile(w + n * K, K, xb + m * Kp, Kp, nw, mx, dots); break;
             T(1, 1) T(1, 2) T(1, 3) T(1, 4) T(1, 5) T(1, 6) T(1, 7) T(1, 8)
             T(2, 1) T(2, 2) T(2, 3) T(2, 4) T(2, 5) T(2, 6) T(2, 7) T(2, 8)
+            T(4, 1) T(4, 2) T(4, 3) T(4, 4)
 #undef T
         }
         for (int a = 0; a < NW; a++)
@@ -552,12 +606,16 @@ int dflash_bf16dp_gemm(const float *x, int64_t M, int64_t K, const uint16_t *w, 
             /* long rows: two weight rows per tile share each activation load (a verify's rows are
              * read from L1/L2 once per two weight rows); short rows: one, which streams the
              * weights from memory faster (measured, see above) */
-            const int nw = K >= DP_PAIR_K ? 2 : 1;
+            const int nw = mb >= DP_QUAD_M ? (N >= DP_QUAD_N ? 4 : DP_SMALL_NW) : K >= DP_PAIR_K ? 2 : 1;
             const int64_t tiles = (N + nw - 1) / nw;
 #pragma omp parallel for num_threads(threads) schedule(static)
             for (int64_t t = 0; t < tiles; t++) {
                 const int64_t n = nw * t;
-                dp_rows(w, K, xp, Kp, mb, N, n, N - n >= nw ? nw : 1, bias, yp);
+                const int64_t left = N - n;
+                if (left >= nw)
+                    dp_rows(w, K, xp, Kp, mb, N, n, nw, bias, yp);
+                else /* the last rows one at a time */
+                    for (int64_t r = n; r < N; r++) dp_rows(w, K, xp, Kp, mb, N, r, 1, bias, yp);
             }
         }
         free(xb);
