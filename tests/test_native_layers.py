@@ -180,6 +180,33 @@ def test_a_long_prefill_runs_pytorch_layers_then_steps_run_native(weights, monke
     assert called == [1, 3]
 
 
+def test_an_int4_body_keeps_bf16_activations_where_dflash_bf16_kernels_run(monkeypatch):
+    """torchao's int4 projections take bf16 rows. Where the CPU's bf16 path is one of dflash's kernels
+    (which take float32 rows), a bf16 target gets float32 activations, but an int4 body over bf16
+    weights must not: `dflash doctor --speed` and `--quantize int4` failed there with "expected scalar
+    type Float but found BFloat16". It decodes, on bf16 rows, and DFlash equals plain decoding."""
+    pytest.importorskip("torchao")
+    from runtime.models.quant_schemes import quantize_model_inplace
+
+    if kernels.bf16_gemm() is None:
+        pytest.skip(f"dflash's bf16 kernel does not run here: {kernels.why_not()}")
+    monkeypatch.setattr(linear, "_process", {"bf16": "dflash-avx2"})  # dflash's kernel is the bf16 path
+    assert linear.FusedLinear.native_bf16_runs(torch.device("cpu"))
+    model = make_target("qwen2", vocab_size=96, seed=5).to(torch.bfloat16)
+    try:
+        quantize_model_inplace(model, "int4", "cpu")
+    except Exception as e:  # noqa: BLE001 - torchao's int4 CPU kernel is missing from some builds
+        pytest.skip(f"torchao int4 does not run here: {e}")
+    lean = LeanTarget(model)
+    assert lean.dtype == torch.bfloat16
+    drafter = make_drafter(model.config, block_size=4, taps=[0, 2, 3]).to(torch.bfloat16)
+    p = [3, 14, 15, 9, 2]
+    ref = lean_greedy_reference(lean, p, 8)
+    assert len(ref) == 8
+    plain, dflash = greedy_pair(lean, drafter, p, 8, block_size=4)
+    assert plain == ref and len(dflash) == 8
+
+
 @pytest.mark.parametrize("weights", ["int8", "q4"])
 def test_a_quantized_body_over_bf16_weights_runs_float32_activations(weights, monkeypatch):
     """`--quantize int8|q4` loads bf16 weights first. On a CPU whose default bf16 path is oneDNN's (native
