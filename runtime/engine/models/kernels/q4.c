@@ -176,70 +176,94 @@ static void q4_rows(const uint8_t *w, const uint16_t *sm, int64_t K, const int16
 /* ---- AVX-512 (F/BW/VNNI): two groups per 32-lane step; the same float operations (see the top) */
 #define Q4_V512 __attribute__((target("avx512f,avx512bw,avx512vnni,f16c,fma,avx2")))
 
-Q4_V512 static inline AI void q4_tile512(const uint8_t *w, const uint16_t *sm, int64_t G, const int16_t *xq,
-                                         int64_t Kp, const float *isum, int64_t Gp, int MX, float *out) {
-    __m512 acc[8]; /* lanes 0-7: the even groups' accumulator, 8-15: the odd groups' */
-    for (int b = 0; b < MX; b++) acc[b] = _mm512_setzero_ps();
+Q4_V512 static inline AI void q4_tile512(const uint8_t *w, const uint16_t *sm, int64_t G, int64_t rowb, int64_t rows,
+                                         const int16_t *xq, int64_t Kp, const float *isum, int64_t Gp, int NW, int MX,
+                                         float *out) {
+    /* NW weight rows (w, rowb bytes apart; sm, rows halves apart) x MX input rows: out[a * MX + b];
+     * NW * MX <= 16. Every (weight row, input row) pair runs the very float operations of a lone pair. */
+    __m512 acc[16]; /* lanes 0-7: the even groups' accumulator, 8-15: the odd groups' */
+    for (int i = 0; i < NW * MX; i++) acc[i] = _mm512_setzero_ps();
     const __m256i nib = _mm256_set1_epi8(0x0F);
     /* the scales of groups (j, j + 1) in lanes (0-7, 8-15) */
     const __m512i pair[4] = {_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
                              _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2),
                              _mm512_set_epi32(5, 5, 5, 5, 5, 5, 5, 5, 4, 4, 4, 4, 4, 4, 4, 4),
                              _mm512_set_epi32(7, 7, 7, 7, 7, 7, 7, 7, 6, 6, 6, 6, 6, 6, 6, 6)};
-    __m512 s8 = _mm512_setzero_ps();
+    __m512 s8[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     int64_t g = 0;
     for (; g + 2 <= G; g += 2) {
-        _mm_prefetch((const char *)(w + 16 * g) + Q4_PREFETCH, _MM_HINT_T0);
-        if ((g & 7) == 0) s8 = _mm512_castps256_ps512(q4_eight(sm + g));
-        const __m256i raw = _mm256_loadu_si256((const __m256i *)(w + 16 * g));
-        const __m512i wl = _mm512_cvtepu8_epi16(_mm256_and_si256(raw, nib));
-        const __m512i wh = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(raw, 4), nib));
-        const __m512 s = _mm512_permutexvar_ps(pair[(g & 7) >> 1], s8);
+        __m512i wl[2], wh[2];
+        __m512 s[2];
+        for (int a = 0; a < NW; a++) {
+            const uint8_t *wa = w + a * rowb;
+            _mm_prefetch((const char *)(wa + 16 * g) + Q4_PREFETCH, _MM_HINT_T0);
+            if ((g & 7) == 0) s8[a] = _mm512_castps256_ps512(q4_eight(sm + a * rows + g));
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(wa + 16 * g));
+            wl[a] = _mm512_cvtepu8_epi16(_mm256_and_si256(raw, nib));
+            wh[a] = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(raw, 4), nib));
+            s[a] = _mm512_permutexvar_ps(pair[(g & 7) >> 1], s8[a]);
+        }
         for (int b = 0; b < MX; b++) {
             const int16_t *xb = xq + b * Kp + 32 * g;
-            __m512i d = _mm512_dpwssd_epi32(_mm512_setzero_si512(), wl, _mm512_loadu_si512((const void *)xb));
-            d = _mm512_dpwssd_epi32(d, wh, _mm512_loadu_si512((const void *)(xb + 32)));
-            acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), s, acc[b]);
+            const __m512i x0 = _mm512_loadu_si512((const void *)xb), x1 = _mm512_loadu_si512((const void *)(xb + 32));
+            for (int a = 0; a < NW; a++) {
+                __m512i d = _mm512_dpwssd_epi32(_mm512_setzero_si512(), wl[a], x0);
+                d = _mm512_dpwssd_epi32(d, wh[a], x1);
+                acc[a * MX + b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), s[a], acc[a * MX + b]);
+            }
         }
     }
-    __m256 a0[8], a1[8];
-    for (int b = 0; b < MX; b++) {
-        a0[b] = _mm512_castps512_ps256(acc[b]);
-        a1[b] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[b]), 1));
-    }
-    if (g < G) {
-        const __m128i raw = _mm_loadu_si128((const __m128i *)(w + 16 * g));
-        const __m128i n16 = _mm_set1_epi8(0x0F);
-        const __m256i w0l = _mm256_cvtepu8_epi16(_mm_and_si128(raw, n16));
-        const __m256i w0h = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), n16));
-        const __m256 s0 = q4_lane(q4_eight(sm + (g & ~(int64_t)7)), (int)(g & 7));
-        for (int b = 0; b < MX; b++)
-            a0[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group_dot(w0l, w0h, xq + b * Kp + 32 * g)), s0, a0[b]);
-    }
-    for (int b = 0; b < MX; b++) {
-        const __m256 mn = q4_min_part(sm + Gp, Gp, isum + b * Gp);
-        out[b] = q4_hsum8(_mm256_add_ps(_mm256_add_ps(a0[b], a1[b]), mn));
+    for (int a = 0; a < NW; a++) {
+        const uint8_t *wa = w + a * rowb;
+        const uint16_t *sa = sm + a * rows;
+        __m256 a0[8], a1[8];
+        for (int b = 0; b < MX; b++) {
+            a0[b] = _mm512_castps512_ps256(acc[a * MX + b]);
+            a1[b] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[a * MX + b]), 1));
+        }
+        if (g < G) {
+            const __m128i raw = _mm_loadu_si128((const __m128i *)(wa + 16 * g));
+            const __m128i n16 = _mm_set1_epi8(0x0F);
+            const __m256i w0l = _mm256_cvtepu8_epi16(_mm_and_si128(raw, n16));
+            const __m256i w0h = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), n16));
+            const __m256 s0 = q4_lane(q4_eight(sa + (g & ~(int64_t)7)), (int)(g & 7));
+            for (int b = 0; b < MX; b++)
+                a0[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group_dot(w0l, w0h, xq + b * Kp + 32 * g)), s0, a0[b]);
+        }
+        for (int b = 0; b < MX; b++) {
+            const __m256 mn = q4_min_part(sa + Gp, Gp, isum + b * Gp);
+            out[a * MX + b] = q4_hsum8(_mm256_add_ps(_mm256_add_ps(a0[b], a1[b]), mn));
+        }
     }
 }
 
+/* weight rows [n, n + NW) against every input row of the pass */
 Q4_V512 static void q4_rows512(const uint8_t *w, const uint16_t *sm, int64_t K, const int16_t *xq, int64_t Kp,
                                const float *isum, int64_t Gp, const float *xs, int64_t M, int64_t N, int64_t n,
-                               const float *bias, float *y) {
+                               int NW, const float *bias, float *y) {
     const int64_t G = K / 32;
     const uint8_t *wr = w + n * (K / 2);
     const uint16_t *sr = sm + n * 2 * Gp;
-    float dots[8];
+    float dots[16];
+    const int mmax = NW == 2 ? 6 : 8;
     for (int64_t m = 0; m < M;) {
-        const int MX = M - m >= 8 ? 8 : (int)(M - m);
-        switch (MX) {
-#define T(mx) case mx: q4_tile512(wr, sr, G, xq + m * Kp, Kp, isum + m * Gp, Gp, mx, dots); break;
-            T(1) T(2) T(3) T(4) T(5) T(6) T(7) T(8)
+        const int MX = M - m >= mmax ? mmax : (int)(M - m);
+        switch (NW * 16 + MX) { /* literal shapes, so each tile is compiled unrolled */
+#define T(nw, mx) case nw * 16 + mx: q4_tile512(wr, sr, G, K / 2, 2 * Gp, xq + m * Kp, Kp, isum + m * Gp, Gp, nw, mx, dots); break;
+            T(1, 1) T(1, 2) T(1, 3) T(1, 4) T(1, 5) T(1, 6) T(1, 7) T(1, 8)
+            T(2, 1) T(2, 2) T(2, 3) T(2, 4) T(2, 5) T(2, 6)
 #undef T
         }
-        q4_store(dots, MX, xs + m, bias, n, N, y + m * N);
+        for (int a = 0; a < NW; a++) q4_store(dots + a * MX, MX, xs + m, bias, n + a, N, y + m * N);
         m += MX;
     }
 }
+
+/* Passes of at least Q4_PAIR_M input rows (a prompt's prefill) take two weight rows per tile on the
+ * AVX-512 path, so each activation vector loaded serves both. */
+#ifndef Q4_PAIR_M
+#define Q4_PAIR_M 32
+#endif
 
 /* Which path runs: -1 = not chosen yet, 0 = AVX2, 1 = AVX-512 (F/BW/VNNI). */
 static int q4_isa = -1;
@@ -277,8 +301,16 @@ int dflash_q4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, const
         const float *ib = isum + m0 * Gp;
         float *yb = y + m0 * N;
         if (q4_isa == 1) {
+            const int nw = mb >= Q4_PAIR_M ? 2 : 1;
+            const int64_t tiles = (N + nw - 1) / nw;
 #pragma omp parallel for num_threads(threads) schedule(static)
-            for (int64_t n = 0; n < N; n++) q4_rows512(w, sm, K, xb, Kp, ib, Gp, xs + m0, mb, N, n, bias, yb);
+            for (int64_t t = 0; t < tiles; t++) {
+                const int64_t n = nw * t;
+                if (N - n >= nw)
+                    q4_rows512(w, sm, K, xb, Kp, ib, Gp, xs + m0, mb, N, n, nw, bias, yb);
+                else /* a last odd row alone */
+                    q4_rows512(w, sm, K, xb, Kp, ib, Gp, xs + m0, mb, N, n, 1, bias, yb);
+            }
         } else {
 #pragma omp parallel for num_threads(threads) schedule(static)
             for (int64_t n = 0; n < N; n++) q4_rows(w, sm, K, xb, Kp, ib, Gp, xs + m0, mb, N, n, bias, yb);
