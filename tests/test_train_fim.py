@@ -124,7 +124,9 @@ def test_cli_builds_a_fim_dataset_and_rejects_bad_folders(fim_target, tmp_path, 
     target_dir, _, src = fim_target
     base = ["train", "--target", str(target_dir), "--taps", "1,2,3", "--dtype", "float32", "--data-only"]
     out = tmp_path / "f"
-    r = CliRunner().invoke(app, [*base, "--out", str(out), "--fim-from", str(src), "--prompts", "4", "--answer-tokens", "8"])
+    r = CliRunner().invoke(
+        app, [*base, "--out", str(out), "--fim-from", str(src), "--prompts", "4", "--answer-tokens", "8"]
+    )
     assert r.exit_code == 0, r.output
     assert json.loads((out / "data-report.json").read_text())["generator"] == "fim"
     monkeypatch.chdir(tmp_path)

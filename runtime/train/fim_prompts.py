@@ -35,22 +35,6 @@ from runtime.train.prompt_list import TrainPrompt
 
 CUTS = ("line", "lines", "block", "body")
 CUT_MIX = (0.35, 0.25, 0.2, 0.2)  # line, lines, block, body
-FIM_SUFFIXES = {
-    ".py": "python",
-    ".js": "javascript",
-    ".mjs": "javascript",
-    ".ts": "typescript",
-    ".c": "c",
-    ".h": "c",
-    ".cpp": "cpp",
-    ".cc": "cpp",
-    ".hpp": "cpp",
-    ".go": "go",
-    ".rs": "rust",
-    ".java": "java",
-    ".sh": "bash",
-    ".sql": "sql",
-}
 _BRACE_FN = re.compile(r"^[A-Za-z_].*\)\s*(const\s*)?\{\s*$")
 
 
@@ -159,15 +143,6 @@ def cut_file(
     return prefix, middle, suffix
 
 
-def fim_text(tokenizer: Any, prefix: str, suffix: str) -> str:
-    """The raw prompt text of a hole in the target's FIM layout (control tokens spelled out; the
-    dataset builder tokenises it with them parsed). Raises ``InputError`` without FIM tokens."""
-    from runtime.fim import require
-
-    n = require(tokenizer, "the target").names
-    return f"{n['prefix']}{prefix}{n['suffix']}{suffix}{n['middle']}"
-
-
 def build_fim_prompts(
     roots: Sequence[Path],
     tokenizer: Any,
@@ -177,30 +152,26 @@ def build_fim_prompts(
     suffix_chars: int = 500,
     dedupe: bool = True,
 ) -> list[TrainPrompt]:
-    """FIM prompts cut from the source files under ``roots``, languages mixed as the text
-    generator mixes them (``runtime.train.text.LANG_MIX``), cuts by ``CUT_MIX``, at most one hole
-    per file. ``source`` is ``fim:LANG:CUT:FILE``."""
-    from runtime.train.generator import drop_evaluation_duplicates, source_files
-    from runtime.train.text import LANG_MIX
+    """FIM prompts cut from the source files under ``roots``, files and languages taken as the text
+    generator takes them (``runtime.train.text.balanced_files``), cuts by ``CUT_MIX``, at most one
+    hole per file; each prompt is the raw text of the target's FIM layout (control tokens spelled
+    out: the dataset builder tokenises it with them parsed, to the ids ``runtime.fim.build`` gives).
+    ``source`` is ``fim:LANG:CUT:FILE``.
 
+    Raises:
+        InputError: the tokenizer declares no FIM tokens.
+    """
+    from runtime.fim import require
+    from runtime.train.generator import drop_evaluation_duplicates
+    from runtime.train.text import balanced_files
+
+    names = require(tokenizer, "the target").names
     rng = random.Random(seed)
-    by_lang: dict[str, list[Path]] = {}
-    for p in source_files(roots, FIM_SUFFIXES):
-        by_lang.setdefault(FIM_SUFFIXES[p.suffix], []).append(p)
-    for files in by_lang.values():
-        rng.shuffle(files)
-    cursor = dict.fromkeys(by_lang, 0)
-    taken = dict.fromkeys(by_lang, 0)
+    taken: dict[str, int] = {}
     out: list[TrainPrompt] = []
-    limit = max_prompts if max_prompts is not None else sum(len(v) for v in by_lang.values())
-    while len(out) < limit:
-        open_langs = [lang for lang in by_lang if cursor[lang] < len(by_lang[lang])]
-        if not open_langs:
+    for lang, path in balanced_files(roots, rng, taken):
+        if max_prompts is not None and len(out) >= max_prompts:
             break
-        total = max(sum(taken.values()), 1)
-        lang = min(open_langs, key=lambda x: (taken[x] / total - LANG_MIX.get(x, 0.02), x))
-        path = by_lang[lang][cursor[lang]]
-        cursor[lang] += 1
         try:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError):
@@ -214,7 +185,8 @@ def build_fim_prompts(
             continue
         prefix, _, suffix = parts
         taken[lang] += 1
-        out.append(TrainPrompt(fim_text(tokenizer, prefix, suffix), False, f"fim:{lang}:{cut}:{path.name}"))
+        text = f"{names['prefix']}{prefix}{names['suffix']}{suffix}{names['middle']}"
+        out.append(TrainPrompt(text, False, f"fim:{lang}:{cut}:{path.name}"))
     if dedupe:
         out = drop_evaluation_duplicates({"fim": out})["fim"]
     return out

@@ -23,7 +23,7 @@ import json
 import random
 import sysconfig
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +93,31 @@ def _files_by_language(roots: Iterable[Path]) -> dict[str, list[Path]]:
     return by_lang
 
 
+def balanced_files(roots: Iterable[Path], rng: random.Random, taken: dict[str, int]) -> Iterator[tuple[str, Path]]:
+    """(language, file) of the source files under ``roots`` (``SUFFIXES``), each language's files
+    shuffled by ``rng`` (now), the next always from the language furthest below its ``LANG_MIX``
+    share (languages not in it get a small one) while its files last. The caller counts the files it
+    used in ``taken`` (language -> count, reset here), which sets the shares."""
+    by_lang = _files_by_language(roots)
+    for files in by_lang.values():
+        rng.shuffle(files)
+    taken.clear()
+    taken.update(dict.fromkeys(by_lang, 0))
+
+    def walk() -> Iterator[tuple[str, Path]]:
+        cursor = dict.fromkeys(by_lang, 0)
+        while True:
+            open_langs = [lang for lang in by_lang if cursor[lang] < len(by_lang[lang])]
+            if not open_langs:
+                return
+            total = max(sum(taken.values()), 1)
+            lang = min(open_langs, key=lambda x: (taken[x] / total - LANG_MIX.get(x, 0.02), x))
+            cursor[lang] += 1
+            yield lang, by_lang[lang][cursor[lang] - 1]
+
+    return walk()
+
+
 def build_text_prompts(
     roots: Sequence[Path], seed: int = 0, max_prompts: int | None = None, max_chars: int = 2400, dedupe: bool = True
 ) -> list[TrainPrompt]:
@@ -105,22 +130,11 @@ def build_text_prompts(
     from runtime.train.generator import drop_evaluation_duplicates, file_chunk
 
     rng = random.Random(seed)
-    by_lang = _files_by_language(roots)
-    for files in by_lang.values():
-        rng.shuffle(files)
-    cursor = dict.fromkeys(by_lang, 0)
-    taken = dict.fromkeys(by_lang, 0)
+    taken: dict[str, int] = {}
     out: list[TrainPrompt] = []
-    limit = max_prompts if max_prompts is not None else sum(len(v) for v in by_lang.values())
-    while len(out) < limit:
-        open_langs = [lang for lang in by_lang if cursor[lang] < len(by_lang[lang])]
-        if not open_langs:
+    for lang, path in balanced_files(roots, rng, taken):
+        if max_prompts is not None and len(out) >= max_prompts:
             break
-        total = max(sum(taken.values()), 1)
-        # the language furthest below its share (languages not in LANG_MIX get a small one)
-        lang = min(open_langs, key=lambda x: (taken[x] / total - LANG_MIX.get(x, 0.02), x))
-        path = by_lang[lang][cursor[lang]]
-        cursor[lang] += 1
         chunk = file_chunk(path, rng, max_chars=max_chars, lang=lang)
         if not chunk:
             continue
