@@ -41,7 +41,7 @@ from torch import nn
 
 from runtime.engine.models.bf16_choice import choose_bf16
 from runtime.engine.models.lean_layers import _CastEmbedding, _Layer, _rms, _rotate_half, native_stack
-from runtime.engine.models.linear import FusedLinear, Int8Head, _plain
+from runtime.engine.models.linear import FusedLinear, Int8Head
 from runtime.engine.models.static_cache import StaticKVCache
 from runtime.engine.models.target import TargetModel
 
@@ -132,12 +132,7 @@ class LeanTarget(TargetModel):
         self.packed = pack
         if float_activations is None:  # where dflash's kernels run the projections: they take float32 rows
             first: Any = self.layers[0]
-            q_weight = first.self_attn.q_proj.weight
-            plain_bf16 = _plain(q_weight) and q_weight.dtype == torch.bfloat16  # not torchao's int4 over bf16
-            float_activations = pack and (
-                (plain_bf16 and FusedLinear.native_bf16_runs(self.device))
-                or FusedLinear.native_quantized_runs(q_weight)
-            )
+            float_activations = pack and FusedLinear.takes_float32_rows(first.self_attn.q_proj.weight)
         act = torch.float32 if float_activations else weights
         self.act_dtype = act
         self.n_heads = int(cfg.num_attention_heads)

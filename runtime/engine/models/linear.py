@@ -274,12 +274,17 @@ class FusedLinear:
         return bool(torch.backends.mkldnn.is_available())  # type: ignore[no-untyped-call]
 
     @staticmethod
-    def native_quantized_runs(weight: Any) -> bool:
-        """True where a quantized projection weight (int8 or q4) runs on dflash's native int8 or q4
-        kernel: they take float32 rows, so a quantized body wants float32 activations there (its
-        verify rows then equal its one-token rows, and its layers run natively)."""
-        if getattr(weight, "device", torch.device("meta")).type != "cpu":
+    def takes_float32_rows(weight: Any) -> bool:
+        """True where a projection weight runs on one of dflash's native kernels, which take float32
+        rows: a plain bf16 weight where the process's bf16 path is dflash's (``native_bf16_runs``), an
+        int8 or q4 weight where dflash's int8 or q4 kernel runs. A body of such weights wants float32
+        activations (its verify rows then equal its one-token rows, and its layers run natively);
+        any other weight (torchao's int4 over bf16, for one) keeps its own activation dtype."""
+        device = getattr(weight, "device", torch.device("meta"))
+        if device.type != "cpu":
             return False
+        if _plain(weight):
+            return weight.dtype == torch.bfloat16 and FusedLinear.native_bf16_runs(device)
         from runtime.engine.models.kernels import int8_gemm, q4_gemm
 
         if _int8_parts(weight) is not None:
