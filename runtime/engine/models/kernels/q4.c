@@ -101,6 +101,26 @@ static inline AI __m256i q4_group_dot(__m256i wl, __m256i wh, const int16_t *xb)
                             _mm256_madd_epi16(wh, _mm256_loadu_si256((const __m256i *)(xb + 32))));
 }
 
+/* The end of a weight row's tile, both paths: a lone last group g (G odd; an even group, so into a0),
+ * then per input row the minimums' part, a0 + a1 + it, summed across lanes: out[b]. */
+static inline AI void q4_finish(const uint8_t *w, const uint16_t *sm, int64_t g, int64_t G, const int16_t *xq,
+                                int64_t Kp, const float *isum, int64_t Gp, int MX, __m256 *a0, const __m256 *a1,
+                                float *out) {
+    if (g < G) {
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(w + 16 * g));
+        const __m128i n16 = _mm_set1_epi8(0x0F);
+        const __m256i w0l = _mm256_cvtepu8_epi16(_mm_and_si128(raw, n16));
+        const __m256i w0h = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), n16));
+        const __m256 s0 = q4_lane(q4_eight(sm + (g & ~(int64_t)7)), (int)(g & 7));
+        for (int b = 0; b < MX; b++)
+            a0[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group_dot(w0l, w0h, xq + b * Kp + 32 * g)), s0, a0[b]);
+    }
+    for (int b = 0; b < MX; b++) {
+        const __m256 mn = q4_min_part(sm + Gp, Gp, isum + b * Gp);
+        out[b] = q4_hsum8(_mm256_add_ps(_mm256_add_ps(a0[b], a1[b]), mn));
+    }
+}
+
 /* One weight row (w: K/2 bytes, sm: its 2 Gp float16) against MX <= 4 input rows (xq, Kp apart; isum,
  * Gp apart): out[b] = the row's sum before xs (see the top of this file). AVX2. */
 static inline AI void q4_tile(const uint8_t *w, const uint16_t *sm, int64_t G, const int16_t *xq, int64_t Kp,
@@ -130,19 +150,7 @@ static inline AI void q4_tile(const uint8_t *w, const uint16_t *sm, int64_t G, c
             a1[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), s1, a1[b]);
         }
     }
-    if (g < G) { /* a lone last group (G odd): even, so into a0 */
-        const __m128i raw = _mm_loadu_si128((const __m128i *)(w + 16 * g));
-        const __m128i n16 = _mm_set1_epi8(0x0F);
-        const __m256i w0l = _mm256_cvtepu8_epi16(_mm_and_si128(raw, n16));
-        const __m256i w0h = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), n16));
-        const __m256 s0 = q4_lane(q4_eight(sm + (g & ~(int64_t)7)), (int)(g & 7));
-        for (int b = 0; b < MX; b++)
-            a0[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group_dot(w0l, w0h, xq + b * Kp + 32 * g)), s0, a0[b]);
-    }
-    for (int b = 0; b < MX; b++) {
-        const __m256 mn = q4_min_part(sm + Gp, Gp, isum + b * Gp);
-        out[b] = q4_hsum8(_mm256_add_ps(_mm256_add_ps(a0[b], a1[b]), mn));
-    }
+    q4_finish(w, sm, g, G, xq, Kp, isum, Gp, MX, a0, a1, out);
 }
 
 /* y[b][n] = out[b] * xs[b] (+ bias[n]) for MX rows */
@@ -214,26 +222,12 @@ Q4_V512 static inline AI void q4_tile512(const uint8_t *w, const uint16_t *sm, i
         }
     }
     for (int a = 0; a < NW; a++) {
-        const uint8_t *wa = w + a * rowb;
-        const uint16_t *sa = sm + a * rows;
         __m256 a0[8], a1[8];
         for (int b = 0; b < MX; b++) {
             a0[b] = _mm512_castps512_ps256(acc[a * MX + b]);
             a1[b] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[a * MX + b]), 1));
         }
-        if (g < G) {
-            const __m128i raw = _mm_loadu_si128((const __m128i *)(wa + 16 * g));
-            const __m128i n16 = _mm_set1_epi8(0x0F);
-            const __m256i w0l = _mm256_cvtepu8_epi16(_mm_and_si128(raw, n16));
-            const __m256i w0h = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), n16));
-            const __m256 s0 = q4_lane(q4_eight(sa + (g & ~(int64_t)7)), (int)(g & 7));
-            for (int b = 0; b < MX; b++)
-                a0[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_group_dot(w0l, w0h, xq + b * Kp + 32 * g)), s0, a0[b]);
-        }
-        for (int b = 0; b < MX; b++) {
-            const __m256 mn = q4_min_part(sa + Gp, Gp, isum + b * Gp);
-            out[a * MX + b] = q4_hsum8(_mm256_add_ps(_mm256_add_ps(a0[b], a1[b]), mn));
-        }
+        q4_finish(w + a * rowb, sm + a * rows, g, G, xq, Kp, isum, Gp, MX, a0, a1, out + a * MX);
     }
 }
 

@@ -58,6 +58,35 @@ def _q4_weights(name: str, w: torch.Tensor, sm: torch.Tensor, k: int) -> None:
     _need(name, "sm", sm, torch.float16, (w.shape[0], 2 * 8 * ((k // 32 + 7) // 8)))
 
 
+def _launch(
+    name: str,
+    c_fn: ctypes._NamedFuncPointer,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    scales: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    check: Callable[[int], None],
+    returns_rc: bool,
+) -> torch.Tensor:
+    """y [M, N] float32 = x [M, K] . w^T through the C GEMM ``c_fn`` (arguments x, M, K, w, [scales,]
+    bias, N, y, threads): ``x`` as float32 rows, ``check(K)`` validates the weights (and scales)
+    before any pointer is read; ``returns_rc``: the C function returns 0, or -1 without memory for
+    its activation buffer."""
+    x = _f32(name, x)
+    m, k = x.shape
+    check(k)
+    n = w.shape[0]
+    if bias is not None:
+        _need(name, "bias", bias, torch.float32, (n,))
+    y = torch.empty((m, n), dtype=torch.float32)
+    scale_ptr = () if scales is None else (scales.data_ptr(),)
+    bias_ptr = bias.data_ptr() if bias is not None else None
+    rc = c_fn(x.data_ptr(), m, k, w.data_ptr(), *scale_ptr, bias_ptr, n, y.data_ptr(), torch.get_num_threads())
+    if returns_rc and rc != 0:
+        raise MemoryError(f"{name}: no memory for a {m}x{k} activation buffer")
+    return y
+
+
 def _wrap_scaled(
     name: str, check: Callable[[str, torch.Tensor, torch.Tensor, int], None]
 ) -> Callable[[ctypes._NamedFuncPointer], Int8Gemm]:
@@ -71,27 +100,7 @@ def _wrap_scaled(
         c_fn.argtypes = [p, i64, i64, p, p, p, i64, p, ctypes.c_int]
 
         def gemm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-            x = _f32(name, x)
-            m, k = x.shape
-            check(name, w, scales, k)
-            n = w.shape[0]
-            if bias is not None:
-                _need(name, "bias", bias, torch.float32, (n,))
-            y = torch.empty((m, n), dtype=torch.float32)
-            rc = c_fn(
-                x.data_ptr(),
-                m,
-                k,
-                w.data_ptr(),
-                scales.data_ptr(),
-                bias.data_ptr() if bias is not None else None,
-                n,
-                y.data_ptr(),
-                torch.get_num_threads(),
-            )
-            if rc != 0:
-                raise MemoryError(f"{name}: no memory for a {m}x{k} activation buffer")
-            return y
+            return _launch(name, c_fn, x, w, scales, bias, lambda k: check(name, w, scales, k), True)
 
         return gemm
 
@@ -113,26 +122,7 @@ def _wrap_float(weights: torch.dtype, returns_rc: bool = False) -> Callable[[cty
         c_fn.argtypes = [p, i64, i64, p, p, i64, p, ctypes.c_int]
 
         def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-            x = _f32(name, x)
-            m, k = x.shape
-            _need(name, "w", w, weights, (-1, k))
-            n = w.shape[0]
-            if bias is not None:
-                _need(name, "bias", bias, torch.float32, (n,))
-            y = torch.empty((m, n), dtype=torch.float32)
-            rc = c_fn(
-                x.data_ptr(),
-                m,
-                k,
-                w.data_ptr(),
-                bias.data_ptr() if bias is not None else None,
-                n,
-                y.data_ptr(),
-                torch.get_num_threads(),
-            )
-            if returns_rc and rc != 0:
-                raise MemoryError(f"{name}: no memory for a {m}x{k} activation buffer")
-            return y
+            return _launch(name, c_fn, x, w, None, bias, lambda k: _need(name, "w", w, weights, (-1, k)), returns_rc)
 
         return gemm
 
