@@ -54,59 +54,89 @@ def prefill_text() -> str:
     return "\n".join(p.read_text() for p in sorted(root.rglob("*.py")))
 
 
+class LlamaServer:
+    """``llama-server`` on one GGUF, started on enter and stopped on exit.
+
+    Args:
+        args: the script's arguments (``llama_server``, ``threads``, ``port``, ``max_tokens``).
+        path: the GGUF file.
+        extra: more server flags (e.g. llama.cpp's ngram speculation).
+    """
+
+    def __init__(self, args: argparse.Namespace, path: str, extra: list[str] | None = None) -> None:
+        self.args, self.path, self.extra = args, path, extra or []
+        self.base = f"http://127.0.0.1:{args.port}"
+        self._prefill_ids: list[int] | None = None
+
+    def __enter__(self) -> LlamaServer:
+        a = self.args
+        cmd = [a.llama_server, "-m", self.path, "-t", str(a.threads), "-tb", str(a.threads), "-c", "4096"]
+        cmd += ["--no-webui", "-np", "1", "--port", str(a.port), *self.extra]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for _ in range(240):
+            try:
+                with urllib.request.urlopen(self.base + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.5)
+        raise SystemExit(f"llama-server did not come up on {self.base} with {self.path}")
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+    def chat(self, text: str) -> dict[str, Any]:
+        """One greedy chat request, prompt not cached: llama.cpp's own ``timings``."""
+        body = {
+            "messages": [{"role": "user", "content": text}],
+            "max_tokens": self.args.max_tokens,
+            "temperature": 0,
+            "cache_prompt": False,
+        }
+        return dict(_post(self.base + "/v1/chat/completions", body)["timings"])
+
+    def prefill(self, n: int) -> float:
+        """Prompt tok/s reading the first ``n`` tokens of ``prefill_text()`` (llama.cpp's own timing)."""
+        if self._prefill_ids is None:
+            self._prefill_ids = _post(self.base + "/tokenize", {"content": prefill_text()})["tokens"]
+        body = {"prompt": self._prefill_ids[:n], "n_predict": 1, "cache_prompt": False, "temperature": 0}
+        t = _post(self.base + "/completion", body)["timings"]
+        assert int(t["prompt_n"]) == n, t
+        return float(t["prompt_per_second"])
+
+
+def _llama_row(name: str, mode: str, timings: list[dict[str, Any]]) -> dict[str, Any]:
+    row: dict[str, Any] = {"engine": "llama.cpp", "weights": name, "method": mode}
+    row["tok_s"] = [float(t["predicted_per_second"]) for t in timings]
+    drafted = sum(int(t.get("draft_n", 0) or 0) for t in timings)
+    if drafted:
+        row["accept"] = sum(int(t.get("draft_n_accepted", 0) or 0) for t in timings) / drafted
+    return row
+
+
 def llama_rows(args: argparse.Namespace, prompts: list[str]) -> list[dict[str, Any]]:
     rows = []
     modes = [("plain", [])] + ([("ngram", ["--spec-type", "ngram-simple"])] if args.llama_ngram else [])
     for spec in args.gguf:
         name, _, path = spec.partition("=")
         for mode, extra in modes:
-            port = args.port
-            cmd = [args.llama_server, "-m", path, "-t", str(args.threads), "-tb", str(args.threads), "-c", "4096"]
-            cmd += ["--no-webui", "-np", "1", "--port", str(port), *extra]
-            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            try:
-                base = f"http://127.0.0.1:{port}"
-                for _ in range(240):
-                    try:
-                        with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                            if r.status == 200:
-                                break
-                    except OSError:
-                        time.sleep(0.5)
-                speeds, drafted, accepted = [], 0, 0
-                for i, text in enumerate([prompts[0], *prompts]):
-                    body = {
-                        "messages": [{"role": "user", "content": text}],
-                        "max_tokens": args.max_tokens,
-                        "temperature": 0,
-                        "cache_prompt": False,
-                    }
-                    t = _post(base + "/v1/chat/completions", body)["timings"]
-                    if i == 0:
-                        continue  # warm-up
-                    speeds.append(float(t["predicted_per_second"]))
-                    drafted += int(t.get("draft_n", 0) or 0)
-                    accepted += int(t.get("draft_n_accepted", 0) or 0)
-                row = {"engine": "llama.cpp", "weights": name, "method": mode, "tok_s": speeds}
-                if drafted:
-                    row["accept"] = accepted / drafted
-                rows.append(row)
-                print(f"  llama.cpp {name} {mode}: median {statistics.median(speeds):.2f} tok/s", file=sys.stderr)
+            with LlamaServer(args, path, extra) as server:
+                server.chat(prompts[0])  # warm-up
+                rows.append(_llama_row(name, mode, [server.chat(text) for text in prompts]))
+                print(
+                    f"  llama.cpp {name} {mode}: median {statistics.median(rows[-1]['tok_s']):.2f} tok/s",
+                    file=sys.stderr,
+                )
                 if mode == "plain" and args.prefill:
-                    ids = _post(base + "/tokenize", {"content": prefill_text()})["tokens"]
                     for n in args.prefill:
-                        body = {"prompt": ids[:n], "n_predict": 1, "cache_prompt": False, "temperature": 0}
-                        runs = [_post(base + "/completion", body)["timings"] for _ in range(PREFILL_RUNS + 1)][1:]
-                        assert all(int(t["prompt_n"]) == n for t in runs), runs[0]
-                        prefill = [float(t["prompt_per_second"]) for t in runs]
+                        server.prefill(n)  # warm-up
+                        prefill = [server.prefill(n) for _ in range(PREFILL_RUNS)]
                         rows.append({"engine": "llama.cpp", "weights": name, "prefill": n, "tok_s": prefill})
                         print(
                             f"  llama.cpp {name} prefill {n}: median {statistics.median(prefill):.1f} tok/s",
                             file=sys.stderr,
                         )
-            finally:
-                proc.terminate()
-                proc.wait(30)
     return rows
 
 
@@ -182,6 +212,70 @@ def dflash_rows(args: argparse.Namespace, prompt_texts: list[str]) -> list[dict[
                 file=sys.stderr,
             )
         del runner
+    return rows
+
+
+def interleaved_rows(args: argparse.Namespace, prompt_texts: list[str]) -> list[dict[str, Any]]:
+    """llama.cpp and dflash rows measured side by side: the i-th ``--gguf`` is paired with the i-th
+    dflash configuration (``--quantize`` order, float weights in the first of ``--float-dtypes``); the
+    server and the pair stay loaded together and each prompt (and each prompt reading) is decoded by
+    every engine back to back, the order rotating, so a shared machine's swings in memory speed (seen:
+    one engine's tok/s moving 25% within a run) fall on both sides alike. Each dflash row gets
+    ``vs_llama``: the median over prompts of its tok/s over llama.cpp's on the same prompt."""
+    from speed_worker import Runner
+
+    configs = _configs(args)
+    if args.with_hf or args.baseline or len(configs) != len(args.gguf):
+        raise SystemExit(
+            f"--interleave pairs each --gguf with one dflash configuration: {len(args.gguf)} GGUF(s), "
+            f"{len(configs)} configuration(s) (--quantize x --float-dtypes); --with-hf and --baseline do not apply"
+        )
+    rows: list[dict[str, Any]] = []
+    methods = _methods(args)
+    for spec, config in zip(args.gguf, configs, strict=True):
+        name, _, path = spec.partition("=")
+        with LlamaServer(args, path) as server:
+            runner = Runner({**config, "prompts": prompt_texts})
+            for n in args.prefill:
+                server.prefill(n)
+                runner.prefill(prefill_text(), n)  # warm-ups
+                got: dict[str, list[float]] = {"llama": [], "dflash": []}
+                for r in range(PREFILL_RUNS):
+                    for who in ("llama", "dflash") if r % 2 == 0 else ("dflash", "llama"):
+                        got[who].append(server.prefill(n) if who == "llama" else runner.prefill(prefill_text(), n))
+                rows.append({"engine": "llama.cpp", "weights": name, "prefill": n, "tok_s": got["llama"]})
+                rows.append({"engine": "dflash (lean)", "weights": runner.label, "prefill": n, "tok_s": got["dflash"]})
+                ratio = statistics.median(got["dflash"]) / statistics.median(got["llama"])
+                print(
+                    f"  prefill {n}: llama.cpp {name} {statistics.median(got['llama']):.1f}, "
+                    f"dflash {runner.label} {statistics.median(got['dflash']):.1f} tok/s ({ratio:.2f}x)",
+                    file=sys.stderr,
+                )
+            engines = ["llama", *methods]
+            server.chat(prompt_texts[0])
+            for m in methods:
+                runner.run(m, 0)  # warm-ups
+            timings: list[dict[str, Any]] = []
+            results: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
+            for i, text in enumerate(prompt_texts):
+                k = i % len(engines)
+                for who in engines[k:] + engines[:k]:
+                    if who == "llama":
+                        timings.append(server.chat(text))
+                    else:
+                        results[who].append(runner.run(who, i))
+            llama = _llama_row(name, "plain", timings)
+            rows.append(llama)
+            for m in methods:
+                row = _row(config["engine"], runner.label, m, results[m], results.get("ar"))
+                row["vs_llama"] = statistics.median(a / b for a, b in zip(row["tok_s"], llama["tok_s"], strict=True))
+                rows.append(row)
+                print(
+                    f"  {runner.label} {m}: median {statistics.median(row['tok_s']):.2f} tok/s, "
+                    f"{row['vs_llama']:.2f}x llama.cpp {name} (median per prompt)",
+                    file=sys.stderr,
+                )
+            del runner
     return rows
 
 
@@ -319,6 +413,12 @@ def main() -> None:
     ap.add_argument(
         "--baseline", help="another checkout: its dflash rows and these, interleaved prompt by prompt, side by side"
     )
+    ap.add_argument(
+        "--interleave",
+        action="store_true",
+        help="llama.cpp and dflash side by side: the i-th --gguf against the i-th dflash configuration, "
+        "every prompt decoded by each engine back to back (fair ratios on a machine whose speed drifts)",
+    )
     args = ap.parse_args()
     args.quantize = [q.strip() for q in args.quantize.split(",") if q.strip()]
     args.float_dtypes = [d.strip() for d in args.float_dtypes.split(",") if d.strip()]
@@ -331,9 +431,13 @@ def main() -> None:
         file=sys.stderr,
     )
     rows: list[dict[str, Any]] = []
-    if args.llama_server:
+    if args.interleave and not args.llama_server:
+        raise SystemExit("--interleave needs --llama-server and one --gguf per dflash configuration")
+    if args.llama_server and not args.interleave:
         rows += llama_rows(args, prompts)
-    if args.baseline:
+    if args.interleave:
+        rows += interleaved_rows(args, prompts)
+    elif args.baseline:
         before, after = ab_rows(args, prompts)
         rows += after
         print_comparison(before, after)
@@ -349,8 +453,12 @@ def main() -> None:
                 f"| {r['engine']} | {r['weights']} | {r['prefill']} | {statistics.median(s):.1f} | {min(s):.1f}-{max(s):.1f} |"
             )
         print()
-    print("| engine | weights | method | median decode tok/s | min-max | tau | verify / tree | = ar |")
-    print("|---|---|---|---|---|---|---|---|")
+    vs = any("vs_llama" in r for r in rows)
+    print(
+        "| engine | weights | method | median decode tok/s | min-max | tau | verify / tree | = ar |"
+        + (" vs llama.cpp |" if vs else "")
+    )
+    print("|---|---|---|---|---|---|---|---|" + ("---|" if vs else ""))
     for r in (r for r in rows if "prefill" not in r):
         s = r["tok_s"]
         tau = f"{r['tau']:.2f}" if "tau" in r else ("-" if "accept" not in r else f"accept {100 * r['accept']:.0f}%")
@@ -358,6 +466,7 @@ def main() -> None:
         print(
             f"| {r['engine']} | {r['weights']} | {r['method']} | {statistics.median(s):.2f} | "
             f"{min(s):.1f}-{max(s):.1f} | {tau} | {r.get('verify', '-')} | {same} |"
+            + (f" {r['vs_llama']:.2f}x |" if "vs_llama" in r else (" - |" if vs else ""))
         )
     if args.out:
         Path(args.out).write_text(
