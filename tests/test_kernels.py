@@ -65,9 +65,10 @@ def test_float_weight_gemms_compute_the_float_product(n, k, dtype):
 
 
 @needs_native
-@pytest.mark.parametrize("k", [896, 77, 33])
+@pytest.mark.parametrize("k", [896, 77, 33, 4864])
 def test_every_row_is_computed_as_if_alone(k):
-    """A verify block of T rows gives, row for row, bit-identical results to T one-row calls."""
+    """A verify block of T rows gives, row for row, bit-identical results to T one-row calls (at K >=
+    2048 a verify's rows meet two weight rows per tile on the AVX-512 paths; a one-row step, one)."""
     q, s, b = _weights(49, k, seed=k)  # an odd row count: the last weight row has no partner
     w16 = (torch.randn(49, k) / 10).to(torch.bfloat16)
     x = torch.randn(150, k)

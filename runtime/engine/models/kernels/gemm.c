@@ -201,16 +201,52 @@ static void epilogue(float *y, int64_t M, int64_t N, const float *scale, const f
 #define XMAX 16383.0f /* |activation| after rounding: keeps 2 * 127 * 16383 * K/16 within int32 per chunk */
 #define CHUNK 4096    /* k per int32 partial sum (K/16 * 4.16M < 2^31 for K <= 8192; chunks add in int64) */
 
+/* The largest |r[k]| of n floats (a maximum is exact in any order, so vector lanes change nothing). */
+float dflash_absmax(const float *r, int64_t n) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 m = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= n; k += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(r + k)));
+    float l[8], a = 0.0f;
+    _mm256_storeu_ps(l, m);
+    for (int i = 0; i < 8; i++) a = fmaxf(a, l[i]);
+    for (; k < n; k++) a = fmaxf(a, fabsf(r[k]));
+    return a;
+}
+
+/* q[k] = r[k] * inv rounded to an integer (the current rounding mode, nearest-even by default: what
+ * lrintf gives, sixteen at a time), as int16 (|r[k] * inv| <= 32767); returns the sum of the q[k]
+ * (exact). Shared by the int8 and q4 kernels' activation rounding. It replaced a call of libm's lrintf
+ * per element, single-threaded before each GEMM: an 8-row int8 verify of 896 x 896 took 0.054 ms with
+ * it, 0.035 ms without (2-core AVX-512 EPYC with AVX-VNNI). Results are identical bit for bit. */
+int64_t dflash_round_i16(const float *r, int64_t n, float inv, int16_t *q) {
+    const __m256 vi = _mm256_set1_ps(inv);
+    __m256i acc = _mm256_setzero_si256();
+    int64_t k = 0, sum = 0;
+    for (; k + 16 <= n; k += 16) {
+        const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(r + k), vi));
+        const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(r + k + 8), vi));
+        acc = _mm256_add_epi32(acc, _mm256_add_epi32(a, b));
+        _mm256_storeu_si256((__m256i *)(q + k), _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8));
+    }
+    int32_t l[8];
+    _mm256_storeu_si256((__m256i *)l, acc);
+    for (int i = 0; i < 8; i++) sum += l[i];
+    for (; k < n; k++) {
+        q[k] = (int16_t)lrintf(r[k] * inv);
+        sum += q[k];
+    }
+    return sum;
+}
+
 /* Round x [M, K] per row to int16 (a multiple of 16 columns, zero-padded) and give each row's scale. */
 static void quantize_rows(const float *x, int64_t M, int64_t K, int64_t Kp, int16_t *xq, float *xs) {
     for (int64_t m = 0; m < M; m++) {
         const float *r = x + m * K;
-        float amax = 0.0f;
-        for (int64_t k = 0; k < K; k++) amax = fmaxf(amax, fabsf(r[k]));
+        const float amax = dflash_absmax(r, K);
         const float s = amax > 0.0f ? amax / XMAX : 1.0f;
-        const float inv = 1.0f / s;
         int16_t *q = xq + m * Kp;
-        for (int64_t k = 0; k < K; k++) q[k] = (int16_t)lrintf(r[k] * inv);
+        dflash_round_i16(r, K, 1.0f / s, q);
         for (int64_t k = K; k < Kp; k++) q[k] = 0;
         xs[m] = s;
     }
@@ -377,6 +413,18 @@ V512 static void int8_rows512(const int8_t *w, int64_t K, const int16_t *xq, int
 #define INT8_QUAD_N 2048
 #endif
 
+/* A verify's rows (at least INT8_PAIR_M) against long weight rows (K >= INT8_PAIR_K: the MLP's down
+ * projection) take two weight rows per tile on the AVX-512 path: eight int16 rows of 4,864 are 78 KB,
+ * more than L1, so one weight row per tile read them from L2 once per weight row (measured on a 2-core
+ * AVX-512 EPYC with AVX-VNNI, 896 x 4864, 8 rows: 0.245 -> 0.177 ms; 2 rows 0.077 -> 0.053 ms). A
+ * one-row step keeps one weight row per tile (one stream). */
+#ifndef INT8_PAIR_K
+#define INT8_PAIR_K 2048
+#endif
+#ifndef INT8_PAIR_M
+#define INT8_PAIR_M 2
+#endif
+
 /* Which int8 path runs: -1 = not chosen yet, 0 = AVX2, 1 = AVX-512 VNNI. */
 static int int8_isa = -1;
 
@@ -404,13 +452,14 @@ int dflash_int8_gemm(const float *x, int64_t M, int64_t K, const int8_t *w, cons
     }
     quantize_rows(x, M, K, Kp, xq, xs);
     if (int8_isa < 0) dflash_int8_isa(-1);
-    /* one weight row against up to eight input rows at a time, over blocks of at most MBLOCK rows */
+    /* one (or two, four: see INT8_PAIR_K, INT8_QUAD_M) weight rows against up to eight input rows at a
+     * time, over blocks of at most MBLOCK rows */
     for (int64_t m0 = 0; m0 < M; m0 += MBLOCK) {
         const int64_t mb = M - m0 < MBLOCK ? M - m0 : MBLOCK;
         const int16_t *xb = xq + m0 * Kp;
         float *yb = y + m0 * N;
         if (int8_isa == 1) {
-            const int nw = mb >= INT8_QUAD_M ? (N >= INT8_QUAD_N ? 4 : 2) : 1;
+            const int nw = mb >= INT8_QUAD_M ? (N >= INT8_QUAD_N ? 4 : 2) : (K >= INT8_PAIR_K && mb >= INT8_PAIR_M) ? 2 : 1;
             const int64_t tiles = (N + nw - 1) / nw;
 #pragma omp parallel for num_threads(threads) schedule(static)
             for (int64_t t = 0; t < tiles; t++) {
