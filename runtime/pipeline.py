@@ -23,6 +23,7 @@ from runtime.engine.models.device import dtype_name, resolve_device, resolve_dty
 from runtime.engine.models.drafter import DFlashDraftModel
 from runtime.engine.models.drafter_config import read_draft_config
 from runtime.engine.models.drafter_io import load_draft_model
+from runtime.engine.models.heap import keep_heap
 from runtime.engine.models.lean_target import LeanTarget
 from runtime.engine.models.linear import activations_in, all_linears_packed, int8_linears, pack_linears
 from runtime.engine.models.target import TargetModel
@@ -260,6 +261,8 @@ def load_pipeline(
     if runtime.threads:
         torch.set_num_threads(runtime.threads)
     device = resolve_device(runtime.device)
+    if device.type == "cpu":
+        keep_heap()  # a long prompt's activations reused from the heap, not page-faulted in per layer
     dtype = resolve_dtype(runtime.dtype, device)
     pair = resolve_pair(ref, opts, progress)
     from runtime.models.quantized import (
