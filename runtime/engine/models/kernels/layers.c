@@ -102,27 +102,67 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     return s;
 }
 
+/* q . k for the eight keys k, k + hd, ..., k + 7 hd (hd a multiple of 8): lane i is key i's dot, each
+ * summed exactly as dot() sums one key (the same products, the same lane sums, the same order). */
+static inline __m256 dot8(const float *q, const float *k, int64_t hd) {
+    __m256 a[8];
+    for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < hd; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + d);
+        for (int i = 0; i < 8; i++) a[i] = _mm256_add_ps(a[i], _mm256_mul_ps(qv, _mm256_loadu_ps(k + i * hd + d)));
+    }
+    /* lane i: ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)) of a[i], as in dot() */
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* exp(x) in eight lanes for x <= 0 (scores minus their maximum; below -87.3 taken as -87.3, ~1e-38):
+ * x = n ln2 + r with n = round(x log2 e), e^r by a degree-7 polynomial (Cephes' expf coefficients),
+ * times 2^n built in the exponent bits. Each lane's result depends on that lane's input alone, with
+ * no fused operations, so a key's weight is the same in any lane, block or row. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+    r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(y, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
 /* Attention for one query row and one head: keys [0, len) where visible (mask row or, without one,
- * every key up to and including slot `self`), in ascending order. */
+ * every key up to and including slot `self`). Every key's score (eight keys at a time) and weight
+ * (exp8) depend on that key alone; the weights are summed and the values accumulated over the visible
+ * keys in ascending order, so a row's result depends only on which keys it sees, in which order: a
+ * tree's row, whose ancestors sit at other slots than a chain's, sees the sums a one-token step sees.
+ * `scores` holds len + 8 floats. */
 static void attend(const float *q, const float *ck, const float *cv, int64_t hd, int64_t len, const uint8_t *mask,
                    int64_t self, float scaling, float *scores, float *out) {
+    int64_t j = 0;
+    if (hd % 8 == 0)
+        for (; j + 8 <= len; j += 8)
+            _mm256_storeu_ps(scores + j, _mm256_mul_ps(dot8(q, ck + j * hd, hd), _mm256_set1_ps(scaling)));
+    for (; j < len; j++) scores[j] = dot(q, ck + j * hd, hd) * scaling;
     float mx = -INFINITY;
-    for (int64_t j = 0; j < len; j++) {
-        if (mask ? !mask[j] : j > self) continue;
-        const float s = dot(q, ck + j * hd, hd) * scaling;
-        scores[j] = s;
-        if (s > mx) mx = s;
-    }
+    for (j = 0; j < len; j++)
+        if ((mask ? mask[j] : j <= self) && scores[j] > mx) mx = scores[j];
+    const __m256 m8 = _mm256_set1_ps(mx);
+    for (j = 0; j < len; j += 8) /* the last block reads and writes up to 7 floats past len (scratch) */
+        _mm256_storeu_ps(scores + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + j), m8)));
     float sum = 0.0f;
-    for (int64_t j = 0; j < len; j++) {
-        if (mask ? !mask[j] : j > self) continue;
-        const float e = expf(scores[j] - mx);
-        scores[j] = e;
-        sum += e;
-    }
+    for (j = 0; j < len; j++)
+        if (mask ? mask[j] : j <= self) sum += scores[j];
     for (int64_t d = 0; d < hd; d++) out[d] = 0.0f;
     const float inv = 1.0f / sum;
-    for (int64_t j = 0; j < len; j++) {
+    for (j = 0; j < len; j++) {
         if (mask ? !mask[j] : j > self) continue;
         const float p = scores[j] * inv;
         const float *vr = cv + j * hd;
@@ -147,7 +187,7 @@ int dflash_layers(const Layer *layers, int64_t n_layers, const Shape *shape, flo
     float *big = malloc((size_t)(T * width) * sizeof(float));
     float *att = malloc((size_t)(T * nq) * sizeof(float));
     float *act = malloc((size_t)(T * F) * sizeof(float));
-    float *scores = malloc((size_t)(threads * len) * sizeof(float));
+    float *scores = malloc((size_t)(threads * (len + 8)) * sizeof(float));
     int rc = 0;
     if (!x || !big || !att || !act || !scores) rc = -1;
     for (int64_t li = 0; li < n_layers && rc == 0; li++) {
@@ -173,7 +213,7 @@ int dflash_layers(const Layer *layers, int64_t n_layers, const Shape *shape, flo
             const int64_t t = job / H, hh = job % H, g = hh / groups;
             const int tid = omp_get_thread_num();
             attend(big + t * nqkv + hh * hd, kc + g * cap * hd, vc + g * cap * hd, hd, len,
-                   mask ? mask + t * len : NULL, start + t, L->scaling, scores + tid * len, att + t * nq + hh * hd);
+                   mask ? mask + t * len : NULL, start + t, L->scaling, scores + tid * (len + 8), att + t * nq + hh * hd);
         }
         if ((rc = proj(&L->o, att, T, x, threads)) != 0) break;
         for (int64_t i = 0; i < T * D; i++) h[i] += x[i];
