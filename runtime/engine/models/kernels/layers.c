@@ -117,12 +117,13 @@ static inline __m256 dot8(const float *q, const float *k, int64_t hd) {
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-/* exp(x) in eight lanes for x <= 0 (scores minus their maximum; below -87.3 taken as -87.3, ~1e-38):
+/* exp(x) in eight lanes, x clamped to [-87.3, 88.3] (~1e-38 .. ~2e38; attention passes scores minus
+ * their maximum, <= 0):
  * x = n ln2 + r with n = round(x log2 e), e^r by a degree-7 polynomial (Cephes' expf coefficients),
  * times 2^n built in the exponent bits. Each lane's result depends on that lane's input alone, with
  * no fused operations, so a key's weight is the same in any lane, block or row. */
 static inline __m256 exp8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
@@ -136,6 +137,14 @@ static inline __m256 exp8(__m256 x) {
     y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(y, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.0f));
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* SiLU(g) * u in eight lanes: (g / (1 + exp(-g))) * u, each lane from its own inputs (exp8; a very
+ * negative g gives ~0, as the exact function does). It replaced libm's expf per element: 4-5% of an
+ * 8-row bf16 verify (perf, 2-core AVX-512 EPYC with AVX-VNNI). */
+static inline __m256 silu_mul8(__m256 g, __m256 u) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), u);
 }
 
 /* Attention for one query row and one head: keys [0, len) where visible (mask row or, without one,
@@ -219,10 +228,17 @@ int dflash_layers(const Layer *layers, int64_t n_layers, const Shape *shape, flo
         for (int64_t i = 0; i < T * D; i++) h[i] += x[i];
         for (int64_t t = 0; t < T; t++) rms_row(h + t * D, L->ln2, L->eps2, D, x + t * D);
         if ((rc = proj(&L->gate_up, x, T, big, threads)) != 0) break;
+        const int64_t nb = (F + 7) / 8; /* eight-wide blocks per row */
 #pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t i = 0; i < T * F; i++) {
-            const float g = big[(i / F) * 2 * F + i % F], u = big[(i / F) * 2 * F + F + i % F];
-            act[i] = (g / (1.0f + expf(-g))) * u;
+        for (int64_t job = 0; job < T * nb; job++) {
+            const int64_t t = job / nb, i = (job % nb) * 8;
+            const float *gr = big + t * 2 * F, *ur = gr + F;
+            float *ar = act + t * F;
+            if (i + 8 <= F)
+                _mm256_storeu_ps(ar + i, silu_mul8(_mm256_loadu_ps(gr + i), _mm256_loadu_ps(ur + i)));
+            else /* a row's last elements: the same lane math, one at a time */
+                for (int64_t e = i; e < F; e++)
+                    ar[e] = _mm256_cvtss_f32(silu_mul8(_mm256_set1_ps(gr[e]), _mm256_set1_ps(ur[e])));
         }
         if ((rc = proj(&L->down, act, T, x, threads)) != 0) break;
         for (int64_t i = 0; i < T * D; i++) h[i] += x[i];
