@@ -7,6 +7,7 @@ Only the CLI reads environment variables:
   DFLASH_HOME      dflash's data root (default: the platform user cache dir, e.g. ~/.cache/dflash)
   DFLASH_DEBUG=1   show full tracebacks instead of one-line errors
   DFLASH_NATIVE=0  do not build or use dflash's native CPU kernels (int8 GEMM; ATen's are used)
+  DFLASH_KEEP_HEAP=0  leave glibc's mmap/trim thresholds alone (default: raised to 1 GB on CPU loads)
   HF_HUB_OFFLINE=1 never use the network (same as --offline); HF_HOME / HF_TOKEN as in huggingface_hub
 """
 
@@ -178,11 +179,13 @@ def confidence_cut(flag: bool | None) -> bool:
 
 
 def configure_kernels() -> None:
-    """Native CPU kernels: on unless DFLASH_NATIVE=0, compiled into $DFLASH_HOME/kernels."""
-    from runtime.engine.models import kernels
+    """Native CPU kernels: on unless DFLASH_NATIVE=0, compiled into $DFLASH_HOME/kernels; the heap
+    thresholds raised on CPU loads unless DFLASH_KEEP_HEAP=0."""
+    from runtime.engine.models import heap, kernels
 
     off = os.environ.get("DFLASH_NATIVE", "1").strip().lower() in ("0", "false", "no", "off")
     kernels.configure(enabled=not off, cache=data_home() / "kernels")
+    heap.configure(os.environ.get("DFLASH_KEEP_HEAP", "1").strip().lower() not in ("0", "false", "no", "off"))
 
 
 def models_dir() -> Path:

@@ -1,4 +1,5 @@
-"""Freed memory kept in the heap on Linux CPUs (runtime.engine.models.heap), and its switch."""
+"""Freed memory kept in the heap on Linux CPUs (runtime.engine.models.heap), and its switch: the
+runtime's configure(), which the CLI sets from DFLASH_KEEP_HEAP."""
 
 import os
 import platform
@@ -7,19 +8,30 @@ import sys
 
 import pytest
 
-ASK = "from runtime.engine.models.heap import keep_heap; print(keep_heap(), keep_heap())"
+pytestmark = pytest.mark.skipif(
+    sys.platform != "linux" or platform.libc_ver()[0] != "glibc", reason="glibc on Linux only"
+)
 
 
-def _run(env_value: str | None) -> str:
+def _run(code: str, keep_heap_env: str | None = None) -> str:
     env = {k: v for k, v in os.environ.items() if k != "DFLASH_KEEP_HEAP"}
-    if env_value is not None:
-        env["DFLASH_KEEP_HEAP"] = env_value
-    r = subprocess.run([sys.executable, "-c", ASK], capture_output=True, text=True, env=env, timeout=120)
+    if keep_heap_env is not None:
+        env["DFLASH_KEEP_HEAP"] = keep_heap_env
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
     return r.stdout.strip()
 
 
-@pytest.mark.skipif(sys.platform != "linux" or platform.libc_ver()[0] != "glibc", reason="glibc on Linux only")
-def test_the_heap_thresholds_are_raised_once_and_can_be_turned_off():
-    assert _run(None) == "True True"
-    assert _run("0") == "False False"
+def test_the_heap_thresholds_are_raised_once_unless_turned_off():
+    ask = "from runtime.engine.models import heap; {} print(heap.keep_heap(), heap.keep_heap())"
+    assert _run(ask.format("")) == "True True"
+    assert _run(ask.format("heap.configure(False);")) == "False False"
+
+
+@pytest.mark.parametrize(("value", "kept"), [(None, "True"), ("0", "False"), ("off", "False"), ("1", "True")])
+def test_the_cli_reads_dflash_keep_heap(value, kept):
+    code = (
+        "from dflash_cli.common import configure_kernels; from runtime.engine.models import heap; "
+        "configure_kernels(); print(heap.keep_heap())"
+    )
+    assert _run(code, value) == kept

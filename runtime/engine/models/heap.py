@@ -9,19 +9,25 @@ makes such blocks come from the heap and stay there for the next layer: measured
 EPYC (AVX-512-BF16, AVX-VNNI), bf16 weights, one 2,048-token forward 5.37 -> 4.42 s (two runs each).
 
 The cost: freed blocks up to the trim threshold are kept by the process instead of returned, so its
-resident memory stays near the largest prefill's peak (which it reached anyway). Set
-``DFLASH_KEEP_HEAP=0`` to leave the allocator alone. Other C libraries (musl, macOS) are left alone.
+resident memory stays near the largest prefill's peak (which it reached anyway). ``configure(False)``
+(the CLI's ``DFLASH_KEEP_HEAP=0``) leaves the allocator alone, as do other C libraries (musl, macOS).
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 import sys
 
 THRESHOLD = 1 << 30  # bytes: allocations below this come from the heap, and up to this much freed top is kept
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
 _done: bool | None = None
+_enabled = True
+
+
+def configure(enabled: bool = True) -> None:
+    """Whether ``keep_heap`` may raise the thresholds (set before the first pipeline loads)."""
+    global _enabled
+    _enabled = enabled
 
 
 def keep_heap() -> bool:
@@ -31,9 +37,11 @@ def keep_heap() -> bool:
         Whether the thresholds are raised (False: not Linux with glibc, turned off, or refused).
     """
     global _done
+    if _done is None and not _enabled:
+        return False
     if _done is None:
         _done = False
-        if sys.platform == "linux" and os.environ.get("DFLASH_KEEP_HEAP", "1") != "0":
+        if sys.platform == "linux":
             try:
                 libc = ctypes.CDLL("libc.so.6")
                 mallopt = libc.mallopt
