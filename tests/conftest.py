@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,18 @@ def _one_thread() -> object:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_kernels(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The native kernels are compiled once per test process into a folder of its own, and the
+    kernel choices measured on tiny models are kept beside them: the runtime API defaults to
+    ~/.cache/dflash (it reads no DFLASH_HOME), which tests must not write."""
+    from runtime.engine.models import kernels
+
+    kernels.configure(cache=tmp_path_factory.mktemp("kernels") / "kernels")
+    yield
+    kernels.configure()
 
 
 @pytest.fixture(autouse=True)

@@ -21,8 +21,9 @@ native_here = kernels._cpu_ok() is None and kernels._compiler() is not None
 @pytest.fixture
 def kernel_settings():
     """Restore the process-wide kernel settings (and forget the loaded library) after the test."""
+    enabled, cache = kernels.settings()
     yield
-    kernels.configure()
+    kernels.configure(enabled, cache)
 
 
 @pytest.fixture(scope="module")

@@ -401,7 +401,8 @@ def test_without_native_kernels_dflash_on_q4_still_equals_plain_greedy():
     step row computed alone, so DFlash on the q4 target still equals its plain greedy output."""
     model = make_target("qwen3", vocab_size=96, seed=7)
     quantize_model_inplace(model, "q4", "cpu")
-    kernels.configure(enabled=False)
+    enabled, cache = kernels.settings()
+    kernels.configure(enabled=False, cache=cache)
     try:
         lean = LeanTarget(model)
         assert not lean.native_layers and lean.lean_layers[0].qkv.q4 and lean.lean_layers[0].qkv.q4_native is None
@@ -412,7 +413,7 @@ def test_without_native_kernels_dflash_on_q4_still_equals_plain_greedy():
             ref = lean_greedy_reference(lean, p, 16)
             assert greedy_pair(lean, drafter, p, 16) == (ref, ref)
     finally:
-        kernels.configure()
+        kernels.configure(enabled, cache)
 
 
 def test_the_quality_script_runs_on_a_tiny_pair(tiny_pair, tmp_path, monkeypatch, capsys):

@@ -105,6 +105,11 @@ def configure(enabled: bool = True, cache: Path | None = None) -> None:
     _settings.update(enabled=enabled, cache=cache)
 
 
+def settings() -> tuple[bool, Path | None]:
+    """The process-wide settings ``configure`` took: (enabled, cache), e.g. to restore them."""
+    return bool(_settings["enabled"]), _settings["cache"]
+
+
 def cache_dir() -> Path:
     """Where compiled kernels are kept."""
     cache = _settings["cache"]
