@@ -171,11 +171,16 @@ def data_home() -> Path:
     return Path(user_cache_dir("dflash", appauthor=False))
 
 
+def _switched_off(name: str) -> bool:
+    """Whether an on-by-default environment switch is set to 0, false, no or off."""
+    return os.environ.get(name, "1").strip().lower() in ("0", "false", "no", "off")
+
+
 def confidence_cut(flag: bool | None) -> bool:
     """The confidence cut asked for: the flag, else on unless DFLASH_CONFIDENCE_CUT is 0."""
     if flag is not None:
         return flag
-    return os.environ.get("DFLASH_CONFIDENCE_CUT", "1").strip().lower() not in ("0", "false", "no", "off")
+    return not _switched_off("DFLASH_CONFIDENCE_CUT")
 
 
 def configure_kernels() -> None:
@@ -183,9 +188,8 @@ def configure_kernels() -> None:
     thresholds raised on CPU loads unless DFLASH_KEEP_HEAP=0."""
     from runtime.engine.models import heap, kernels
 
-    off = os.environ.get("DFLASH_NATIVE", "1").strip().lower() in ("0", "false", "no", "off")
-    kernels.configure(enabled=not off, cache=data_home() / "kernels")
-    heap.configure(os.environ.get("DFLASH_KEEP_HEAP", "1").strip().lower() not in ("0", "false", "no", "off"))
+    kernels.configure(enabled=not _switched_off("DFLASH_NATIVE"), cache=data_home() / "kernels")
+    heap.configure(not _switched_off("DFLASH_KEEP_HEAP"))
 
 
 def models_dir() -> Path:

@@ -244,7 +244,14 @@ def interleaved_rows(args: argparse.Namespace, prompt_texts: list[str]) -> list[
                     for who in ("llama", "dflash") if r % 2 == 0 else ("dflash", "llama"):
                         got[who].append(server.prefill(n) if who == "llama" else runner.prefill(prefill_text(), n))
                 rows.append({"engine": "llama.cpp", "weights": name, "prefill": n, "tok_s": got["llama"]})
-                rows.append({"engine": "dflash (lean)", "weights": runner.label, "prefill": n, "tok_s": got["dflash"]})
+                rows.append(
+                    {
+                        "engine": f"dflash ({config['engine']})",
+                        "weights": runner.label,
+                        "prefill": n,
+                        "tok_s": got["dflash"],
+                    }
+                )
                 ratio = statistics.median(got["dflash"]) / statistics.median(got["llama"])
                 print(
                     f"  prefill {n}: llama.cpp {name} {statistics.median(got['llama']):.1f}, "

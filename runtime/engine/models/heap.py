@@ -37,16 +37,17 @@ def keep_heap() -> bool:
         Whether the thresholds are raised (False: not Linux with glibc, turned off, or refused).
     """
     global _done
-    if _done is None and not _enabled:
+    if _done is None and _enabled:
+        _done = _raise_thresholds()
+    return bool(_done)
+
+
+def _raise_thresholds() -> bool:
+    if sys.platform != "linux":
         return False
-    if _done is None:
-        _done = False
-        if sys.platform == "linux":
-            try:
-                libc = ctypes.CDLL("libc.so.6")
-                mallopt = libc.mallopt
-            except (OSError, AttributeError):  # not glibc
-                return False
-            mallopt.restype, mallopt.argtypes = ctypes.c_int, [ctypes.c_int, ctypes.c_int]
-            _done = bool(mallopt(_M_MMAP_THRESHOLD, THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, THRESHOLD))
-    return _done
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):  # not glibc
+        return False
+    mallopt.restype, mallopt.argtypes = ctypes.c_int, [ctypes.c_int, ctypes.c_int]
+    return bool(mallopt(_M_MMAP_THRESHOLD, THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, THRESHOLD))

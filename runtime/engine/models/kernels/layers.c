@@ -147,6 +147,9 @@ static inline __m256 silu_mul8(__m256 g, __m256 u) {
     return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), u);
 }
 
+/* Whether a row sees key j: its mask row says so or, without one, j is at or before its own slot. */
+static inline int visible(const uint8_t *mask, int64_t j, int64_t self) { return mask ? mask[j] != 0 : j <= self; }
+
 /* Attention for one query row and one head: keys [0, len) where visible (mask row or, without one,
  * every key up to and including slot `self`). Every key's score (eight keys at a time) and weight
  * (exp8) depend on that key alone; the weights are summed and the values accumulated over the visible
@@ -162,17 +165,17 @@ static void attend(const float *q, const float *ck, const float *cv, int64_t hd,
     for (; j < len; j++) scores[j] = dot(q, ck + j * hd, hd) * scaling;
     float mx = -INFINITY;
     for (j = 0; j < len; j++)
-        if ((mask ? mask[j] : j <= self) && scores[j] > mx) mx = scores[j];
+        if (visible(mask, j, self) && scores[j] > mx) mx = scores[j];
     const __m256 m8 = _mm256_set1_ps(mx);
     for (j = 0; j < len; j += 8) /* the last block reads and writes up to 7 floats past len (scratch) */
         _mm256_storeu_ps(scores + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + j), m8)));
     float sum = 0.0f;
     for (j = 0; j < len; j++)
-        if (mask ? mask[j] : j <= self) sum += scores[j];
+        if (visible(mask, j, self)) sum += scores[j];
     for (int64_t d = 0; d < hd; d++) out[d] = 0.0f;
     const float inv = 1.0f / sum;
     for (j = 0; j < len; j++) {
-        if (mask ? !mask[j] : j > self) continue;
+        if (!visible(mask, j, self)) continue;
         const float p = scores[j] * inv;
         const float *vr = cv + j * hd;
         for (int64_t d = 0; d < hd; d++) out[d] += p * vr[d];
