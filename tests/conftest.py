@@ -28,15 +28,26 @@ def _one_thread() -> object:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _isolated_kernels(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """The native kernels are compiled once per test process into a folder of its own, and the
-    kernel choices measured on tiny models are kept beside them: the runtime API defaults to
-    ~/.cache/dflash (it reads no DFLASH_HOME), which tests must not write."""
+def _isolated_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The whole test process keeps out of the user's dflash folders, not only each test: module-
+    and session-scoped fixtures (which run before a test's own DFLASH_HOME is set) and threads that
+    outlive a test get a DFLASH_HOME and HF cache of the process, and the native kernels are compiled
+    once per process into a folder of its own with the kernel choices measured on tiny models beside
+    them (the runtime API defaults to ~/.cache/dflash and reads no DFLASH_HOME)."""
     from runtime.engine.models import kernels
 
+    home = tmp_path_factory.mktemp("session-home")
+    saved = {name: os.environ.get(name) for name in ("DFLASH_HOME", "HF_HUB_CACHE")}
+    os.environ["DFLASH_HOME"] = str(home)
+    os.environ["HF_HUB_CACHE"] = str(home / "hf")
     kernels.configure(cache=tmp_path_factory.mktemp("kernels") / "kernels")
     yield
     kernels.configure()
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture(autouse=True)
