@@ -435,3 +435,27 @@ def one_line_error(r: Any, code: int, *needles: str) -> None:
     assert "Traceback" not in r.output
     for n in needles:
         assert n in r.stderr, (n, r.stderr)
+
+
+def answered_dataset(
+    folder: Path, tok: Any, replies: Sequence[str], per_shard: int = 2, hidden: int = 4, taps: Sequence[int] = (1,)
+) -> Path:
+    """A dataset folder laid out as generate_dataset writes it, whose answers are ``replies``."""
+    from runtime.train.data import encode_prompt, write_shard
+
+    folder.mkdir(parents=True)
+    prompts = [
+        {"text": f"Write function number {i}.", "chat": True, "source": f"task:Lang{i}"} for i in range(len(replies))
+    ]
+    (folder / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    meta = {"taps": list(taps), "hidden_size": hidden, "max_new_tokens": 256, "max_prompt_tokens": 512}
+    (folder / "dataset.json").write_text(json.dumps({**meta, "num_prompts": len(prompts)}))
+    for si, start in enumerate(range(0, len(prompts), per_shard)):
+        seqs, sources = [], []
+        for p, reply in zip(prompts[start : start + per_shard], replies[start : start + per_shard], strict=True):
+            ids = encode_prompt(tok, p["text"], True)
+            ans = tok.encode(reply, add_special_tokens=False)
+            seqs.append((ids + ans, torch.zeros(len(ids) + len(ans), hidden * len(taps)), len(ids)))
+            sources.append(p["source"])
+        write_shard(folder / f"shard-{si:05d}.safetensors", seqs, {**meta, "sources": sources})
+    return folder

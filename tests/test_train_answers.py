@@ -7,13 +7,11 @@ import json
 import re
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from dflash_cli.app import app
 from runtime.train.answers import MIX, build_prompts_from_answers, code_blocks, read_answers
-from runtime.train.data import encode_prompt, write_shard
-from tests.fakes import make_tokenizer
+from tests.fakes import answered_dataset, make_tokenizer
 
 GO = "func add(a int, b int) int {\n    if a < 0 {\n        return b\n    }\n    return a + b\n}"
 RUST = "fn clamp(x: i32) -> i32 {\n    if x < 0 {\n        return 0;\n    }\n    x\n}"
@@ -28,26 +26,6 @@ REPLIES = [
 ]
 
 
-def _answered_dataset(folder, tok, replies, per_shard=2, hidden=4, taps=(1,)):
-    """A dataset folder laid out as generate_dataset writes it, whose answers are ``replies``."""
-    folder.mkdir(parents=True)
-    prompts = [
-        {"text": f"Write function number {i}.", "chat": True, "source": f"task:Lang{i}"} for i in range(len(replies))
-    ]
-    (folder / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
-    meta = {"taps": list(taps), "hidden_size": hidden, "max_new_tokens": 256, "max_prompt_tokens": 512}
-    (folder / "dataset.json").write_text(json.dumps({**meta, "num_prompts": len(prompts)}))
-    for si, start in enumerate(range(0, len(prompts), per_shard)):
-        seqs, sources = [], []
-        for p, reply in zip(prompts[start : start + per_shard], replies[start : start + per_shard], strict=True):
-            ids = encode_prompt(tok, p["text"], True)
-            ans = tok.encode(reply, add_special_tokens=False)
-            seqs.append((ids + ans, torch.zeros(len(ids) + len(ans), hidden * len(taps)), len(ids)))
-            sources.append(p["source"])
-        write_shard(folder / f"shard-{si:05d}.safetensors", seqs, {**meta, "sources": sources})
-    return folder
-
-
 def test_code_blocks_languages_and_sizes():
     text = (
         f"a\n```go\n{GO}\n```\nb\n```\nuntagged\nblock\nof\nlines\n```\n```ts\nx\n```\n```sh\n" + "echo 1\n" * 5 + "```"
@@ -59,7 +37,7 @@ def test_code_blocks_languages_and_sizes():
 
 def test_read_answers_realigns_prompts_and_keeps_the_held_out_shard_unseen(tmp_path):
     tok = make_tokenizer()
-    data = _answered_dataset(tmp_path / "d", tok, REPLIES)
+    data = answered_dataset(tmp_path / "d", tok, REPLIES)
     answers = read_answers(data, tok)
     assert len(answers) == 4  # 3 shards of 2; the last (held-out) one is not read
     assert [a.reply for a in answers] == REPLIES[:4]  # the decoded answers are the stored ones
@@ -70,7 +48,7 @@ def test_read_answers_realigns_prompts_and_keeps_the_held_out_shard_unseen(tmp_p
 
 def test_prompts_from_answers_kinds_code_and_follow_ups(tmp_path):
     tok = make_tokenizer()
-    answers = read_answers(_answered_dataset(tmp_path / "d", tok, REPLIES * 3), tok, skip_last=False)
+    answers = read_answers(answered_dataset(tmp_path / "d", tok, REPLIES * 3), tok, skip_last=False)
     prompts = build_prompts_from_answers(answers, seed=0, dedupe=False)
     kinds = {p.kind for p in prompts}
     assert kinds == set(MIX)
@@ -106,7 +84,7 @@ def tiny(answers_data, tmp_path_factory):
     target_dir, data = answers_data
     tok = make_tokenizer()  # the tokenizer save_pair gives the target
     hidden = json.loads((target_dir / "config.json").read_text())["hidden_size"]
-    src = _answered_dataset(tmp_path_factory.mktemp("answers") / "src", tok, REPLIES * 2, hidden=hidden, taps=(1, 2, 3))
+    src = answered_dataset(tmp_path_factory.mktemp("answers") / "src", tok, REPLIES * 2, hidden=hidden, taps=(1, 2, 3))
     return target_dir, data, src
 
 

@@ -16,7 +16,7 @@ from runtime.train.api import DataSpec, prepare_data
 from runtime.train.data import load_shard
 from runtime.train.dedupe import evaluation_index
 from runtime.train.fim_prompts import CUTS, build_fim_prompts, cut_file
-from tests.fakes import make_tokenizer, one_line
+from tests.fakes import answered_dataset, make_tokenizer, one_line
 
 PY = "\n".join(
     f'def f{i}(x, y):\n    """Add {i}."""\n    total = x + y + {i}\n    if total > 10:\n        return total * 2\n'
@@ -87,6 +87,36 @@ def test_the_fim_bench_cases_are_evaluation_text():
     assert index.matches(case.prefix + case.middle + case.suffix)
 
 
+GO = "\n".join(
+    f"func add{i}(a int, b int) int {{\n\tif a < {i} {{\n\t\treturn b\n\t}}\n\treturn a + b + {i}\n}}\n"
+    for i in range(4)
+)
+
+
+def test_holes_are_cut_from_the_code_the_target_wrote_in_a_datasets_answers(tmp_path):
+    """A dataset folder as a --fim-from root: one hole per fenced code block of 12+ lines in its
+    answers (prose, short blocks and the held-out last shard left out), the block's language kept."""
+    tok = make_tokenizer(fim="qwen")
+    short = "\n".join(PY.split("\n")[:6])
+    replies = [
+        f"Here it is:\n\n```go\n{GO}\n```\n\nDone.",
+        f"```python\n{PY}\n```\nand a second one:\n```c\n{C}\n```",
+        f"```python\n{short}\n```",  # too short to cut a hole in
+        "No code, only words.",
+        f"```python\n{PY.replace('Add', 'Held out')}\n```",  # the held-out shard
+        "Still held out.",
+    ]
+    data = answered_dataset(tmp_path / "d", tok, replies)
+    prompts = build_fim_prompts([data], tok, seed=3, dedupe=False)
+    assert sorted(p.source.split(":", 2)[1] for p in prompts) == ["c", "go", "python"]
+    assert {p.source.split(":")[-1] for p in prompts} == {"Lang0#0", "Lang1#0", "Lang1#1"}
+    for p in prompts:
+        assert "Held out" not in p.text and "Here it is" not in p.text
+        prefix, suffix = p.text[len("<|fim_prefix|>") : -len("<|fim_middle|>")].split("<|fim_suffix|>")
+        code = {"go": GO, "python": PY, "c": C}[p.source.split(":")[1]]
+        assert prefix in code and suffix in code + "\n"
+
+
 @pytest.fixture(scope="module")
 def fim_target(fim_pair, tmp_path_factory):
     target_dir, _ = fim_pair
@@ -134,3 +164,5 @@ def test_cli_builds_a_fim_dataset_and_rejects_bad_folders(fim_target, tmp_path, 
     assert r.exit_code == 2 and "--fim-from 'nope' is not a folder" in one_line(r.output)
     r = CliRunner().invoke(app, [*base, "--out", "x", "--fim-from", str(src), "--text-from", str(src)])
     assert r.exit_code == 2 and "cannot be combined" in one_line(r.output)
+    r = CliRunner().invoke(app, [*base, "--out", "x", "--text-from", str(out / "data")])
+    assert r.exit_code == 2 and "is a dataset folder (--fim-from cuts holes in its answers)" in one_line(r.output)

@@ -3,8 +3,10 @@
 An editor plugin (llama.vim, llama.vscode, Continue, Tabby) sends the text before the cursor, the
 text after it and asks for the middle. A drafter trained only on chat answers has never seen a
 middle; this generator ("fim", ``dflash train --fim-from``) makes prompts in the target's own FIM
-layout (``runtime.fim``) from files under the given folders, and the dataset builder then has the
-target answer them greedily, so every label is the target's own middle.
+layout (``runtime.fim``) from files under the given folders, or from the code blocks of the
+target's own answers in an earlier dataset (application-style code in every language the chat
+prompts asked for: a machine's own sources are mostly library code in a few languages), and the
+dataset builder then has the target answer them greedily, so every label is the target's own middle.
 
 Holes are cut the four ways the held-out cases of ``dflash bench --dataset fim`` are
 (``runtime.bench.fim_cases.CUTS``):
@@ -143,6 +145,28 @@ def cut_file(
     return prefix, middle, suffix
 
 
+def fim_sources(roots: Sequence[Path], tokenizer: Any) -> dict[str, list[tuple[str, Path | str]]]:
+    """language -> (name, file or text) of what holes are cut from: the source files under each root
+    (``runtime.train.text.SUFFIXES``), or, where a root is a dataset folder (``dataset.json``), the
+    fenced code blocks of the target's own answers in it (``runtime.train.answers``; its held-out
+    shard left out), named ``SOURCE#k``: application-style code in every language the prompts asked
+    for, where a machine's own sources are mostly library code in few languages."""
+    from runtime.train.answers import code_blocks, read_answers
+    from runtime.train.text import files_by_language
+
+    files = [r for r in roots if not (r / "dataset.json").is_file()]
+    out: dict[str, list[tuple[str, Path | str]]] = {
+        lang: [(p.name, p) for p in paths] for lang, paths in files_by_language(files).items()
+    }
+    for root in roots:
+        if root in files:
+            continue
+        for answer in read_answers(root, tokenizer):
+            for k, block in enumerate(code_blocks(answer.reply, min_lines=12, max_lines=200)):
+                out.setdefault(block.fence, []).append((f"{answer.source}#{k}", block.code + "\n"))
+    return out
+
+
 def build_fim_prompts(
     roots: Sequence[Path],
     tokenizer: Any,
@@ -152,30 +176,34 @@ def build_fim_prompts(
     suffix_chars: int = 500,
     dedupe: bool = True,
 ) -> list[TrainPrompt]:
-    """FIM prompts cut from the source files under ``roots``, files and languages taken as the text
-    generator takes them (``runtime.train.text.balanced_files``), cuts by ``CUT_MIX``, at most one
-    hole per file; each prompt is the raw text of the target's FIM layout (control tokens spelled
-    out: the dataset builder tokenises it with them parsed, to the ids ``runtime.fim.build`` gives).
-    ``source`` is ``fim:LANG:CUT:FILE``.
+    """FIM prompts cut from the sources under ``roots`` (``fim_sources``: files, or the code of a
+    dataset's answers), languages mixed as the text generator mixes them
+    (``runtime.train.text.balanced``), cuts by ``CUT_MIX``, at most one hole per file or code block;
+    each prompt is the raw text of the target's FIM layout (control tokens spelled out: the dataset
+    builder tokenises it with them parsed, to the ids ``runtime.fim.build`` gives). ``source`` is
+    ``fim:LANG:CUT:NAME``.
 
     Raises:
         InputError: the tokenizer declares no FIM tokens.
     """
     from runtime.fim import require
     from runtime.train.generator import drop_evaluation_duplicates
-    from runtime.train.text import balanced_files
+    from runtime.train.text import balanced
 
     names = require(tokenizer, "the target").names
     rng = random.Random(seed)
     taken: dict[str, int] = {}
     out: list[TrainPrompt] = []
-    for lang, path in balanced_files(roots, rng, taken):
+    for lang, (name, where) in balanced(fim_sources(roots, tokenizer), rng, taken):
         if max_prompts is not None and len(out) >= max_prompts:
             break
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
-            continue
+        if isinstance(where, str):
+            text = where
+        else:
+            try:
+                text = where.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError):
+                continue
         lines = text.splitlines()
         if len(lines) < 12 or max(len(s) for s in lines) > 200 or "<|" in text or "\r" in text:
             continue
@@ -186,7 +214,7 @@ def build_fim_prompts(
         prefix, _, suffix = parts
         taken[lang] += 1
         text = f"{names['prefix']}{prefix}{names['suffix']}{suffix}{names['middle']}"
-        out.append(TrainPrompt(text, False, f"fim:{lang}:{cut}:{path.name}"))
+        out.append(TrainPrompt(text, False, f"fim:{lang}:{cut}:{name}"))
     if dedupe:
         out = drop_evaluation_duplicates({"fim": out})["fim"]
     return out

@@ -177,6 +177,8 @@ def _drafter_spec(
         for r in picked:
             if not r.is_dir():
                 raise OptionError(f"{flag} {str(r)!r} is not a folder")
+            if o.text_from and (r / "dataset.json").is_file():
+                raise OptionError(f"--text-from {str(r)!r} is a dataset folder (--fim-from cuts holes in its answers)")
         roots = tuple(dict.fromkeys(picked))
     data, extra_data, corpus_data = o.data, list(o.extra_data), list(o.corpus_data)
     if resume and not o.data_only:  # the run's own data sources, unless typed now

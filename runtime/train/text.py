@@ -25,7 +25,7 @@ import sysconfig
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -34,6 +34,7 @@ from runtime.train.data import Progress, encode_prompt, write_shard
 from runtime.train.prompt_list import TrainPrompt
 
 LABELS_KEY = "labels"
+T = TypeVar("T")
 TEACHER_FORCED = "teacher-forced"
 
 SUFFIXES = {
@@ -84,7 +85,7 @@ def default_roots() -> list[Path]:
     return out
 
 
-def _files_by_language(roots: Iterable[Path]) -> dict[str, list[Path]]:
+def files_by_language(roots: Iterable[Path]) -> dict[str, list[Path]]:
     from runtime.train.generator import source_files
 
     by_lang: dict[str, list[Path]] = {}
@@ -94,17 +95,21 @@ def _files_by_language(roots: Iterable[Path]) -> dict[str, list[Path]]:
 
 
 def balanced_files(roots: Iterable[Path], rng: random.Random, taken: dict[str, int]) -> Iterator[tuple[str, Path]]:
-    """(language, file) of the source files under ``roots`` (``SUFFIXES``), each language's files
-    shuffled by ``rng`` (now), the next always from the language furthest below its ``LANG_MIX``
-    share (languages not in it get a small one) while its files last. The caller counts the files it
-    used in ``taken`` (language -> count, reset here), which sets the shares."""
-    by_lang = _files_by_language(roots)
-    for files in by_lang.values():
-        rng.shuffle(files)
+    """(language, file) of the source files under ``roots`` (``SUFFIXES``) in ``balanced`` order."""
+    return balanced(files_by_language(roots), rng, taken)
+
+
+def balanced(by_lang: dict[str, list[T]], rng: random.Random, taken: dict[str, int]) -> Iterator[tuple[str, T]]:
+    """(language, item) of ``by_lang``, each language's items shuffled by ``rng`` (now), the next
+    always from the language furthest below its ``LANG_MIX`` share (languages not in it get a small
+    one) while its items last. The caller counts the items it used in ``taken`` (language -> count,
+    reset here), which sets the shares."""
+    for items in by_lang.values():
+        rng.shuffle(items)
     taken.clear()
     taken.update(dict.fromkeys(by_lang, 0))
 
-    def walk() -> Iterator[tuple[str, Path]]:
+    def walk() -> Iterator[tuple[str, T]]:
         cursor = dict.fromkeys(by_lang, 0)
         while True:
             open_langs = [lang for lang in by_lang if cursor[lang] < len(by_lang[lang])]
