@@ -96,6 +96,15 @@ def train(
             "(generator 'self').",
         ),
     ] = False,
+    file_requests: Annotated[
+        bool,
+        typer.Option(
+            "--file-requests",
+            help="Build a new dataset on requests for whole application source files (20-60 lines, every "
+            "language, varied topics), answered greedily (generator 'files'): code for --fim-from DATASET "
+            "to cut holes in.",
+        ),
+    ] = False,
     answer_tokens: Annotated[int, typer.Option("--answer-tokens", help="Max tokens per generated answer.")] = 320,
     gen_batch: Annotated[int, typer.Option("--gen-batch", help="Answers generated together.")] = 32,
     data_seed: Annotated[
@@ -249,6 +258,7 @@ def train(
         text_from=tuple(text_from or ()),
         fim_from=tuple(fim_from or ()),
         self_instruct=self_instruct,
+        file_requests=file_requests,
         answer_tokens=answer_tokens,
         gen_batch=gen_batch,
         data_seed=data_seed,

@@ -96,7 +96,7 @@ def _train(o: TrainOptions, budget: float | None, hooks: TrainHooks) -> TrainRes
     if not o.data_only:
         record_sources(out, data_dir, extra_data, corpus_data)
     say(f"dataset {data_dir} (taps {list(data_taps)})")
-    generator = "answers" if o.prompts_from else "self" if o.self_instruct else "v2"
+    generator = "answers" if o.prompts_from else "self" if o.self_instruct else "files" if o.file_requests else "v2"
     if roots:
         generator = "fim" if o.fim_from else "text"
     data_spec = DataSpec(
@@ -167,8 +167,10 @@ def _drafter_spec(
     if not o.data_only and not resume and o.steps is None and budget is None:
         raise OptionError("give --steps or --time-budget (or --data-only)")
     tap_ids = opt.layer_ids(o.taps) if o.taps else None
-    if sum(map(bool, (o.text_from, o.fim_from, o.prompts_from, o.self_instruct))) > 1:
-        raise OptionError("--text-from, --fim-from, --prompts-from and --self-instruct cannot be combined")
+    if sum(map(bool, (o.text_from, o.fim_from, o.prompts_from, o.self_instruct, o.file_requests))) > 1:
+        raise OptionError(
+            "--text-from, --fim-from, --prompts-from, --self-instruct and --file-requests cannot be combined"
+        )
     roots: tuple[Path, ...] = ()
     if o.text_from or o.fim_from:
         flag = "--fim-from" if o.fim_from else "--text-from"

@@ -37,6 +37,7 @@ class TrainOptions:
     text_from: tuple[str, ...] = ()
     fim_from: tuple[str, ...] = ()
     self_instruct: bool = False
+    file_requests: bool = False
     answer_tokens: int = 320
     gen_batch: int = 32
     data_seed: int = 0

@@ -13,6 +13,7 @@ from typing import Any
 from runtime.errors import ConfigError
 from runtime.train.answers import build_prompts_from_answers, read_answers
 from runtime.train.data import Progress
+from runtime.train.file_requests import build_file_requests
 from runtime.train.fim_prompts import build_fim_prompts
 from runtime.train.generator import build_prompts_v2
 from runtime.train.prompt_list import PROMPTS_FILE, TrainPrompt, read_prompts, write_prompts
@@ -72,6 +73,8 @@ def stored_prompts(
     elif spec.generator == "self":
         data_dir.mkdir(parents=True, exist_ok=True)
         fresh = self_prompts(spec, tokenizer, target, cap, progress, journal=data_dir / SELF_JOURNAL)
+    elif spec.generator == "files":
+        fresh = build_file_requests(seed=spec.seed, max_prompts=cap)
     elif spec.generator == "text":
         fresh = build_text_prompts(list(spec.text_roots) or default_roots(), seed=spec.seed, max_prompts=cap)
         if not fresh and not stored:

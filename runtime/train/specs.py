@@ -78,7 +78,9 @@ class DataSpec:
             "text": real source files scored by the target, no generation, ``runtime.train.text``;
             "fim": holes cut from real source files, answered by the target in its FIM layout,
             ``runtime.train.fim_prompts``;
-            "self": requests written by the target itself, ``runtime.train.selfinstruct``).
+            "self": requests written by the target itself, ``runtime.train.selfinstruct``;
+            "files": requests for whole application source files in every language,
+            ``runtime.train.file_requests``).
         source: the earlier dataset folder of the "answers" generator.
         text_roots: source folders of the "text" and "fim" generators (empty: ``text.default_roots()``).
     """
