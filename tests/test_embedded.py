@@ -53,19 +53,15 @@ def test_shipped_drafter_is_small_documented_and_fits_the_target(models_dir):
     assert cfg["dflash_config"]["acceptance_conditional"]
 
 
-def test_readme_main_command_runs_on_the_embedded_default(models_dir, monkeypatch):
-    """`dflash run` with no model named uses the embedded pair (bf16 on this CPU)."""
+def test_readme_main_command_runs_on_the_embedded_default(models_dir, monkeypatch, tmp_path):
+    """`dflash run` with no model named uses the embedded pair (bf16 on this CPU). DFLASH_HOME is a
+    home of the test whose models/ is the converted pair's folder: never the user's own home, where
+    the run would write kernels, calibration and state."""
     from dflash_cli.app import app
 
-    home = models_dir.parent if models_dir.name == "models" else None
-    if home is not None:
-        monkeypatch.setenv("DFLASH_HOME", str(home))
-    else:  # converted into a temp dir: point DFLASH_HOME at a home whose models/ is that dir
-        link_home = models_dir.parent / "home"
-        link_home.mkdir(exist_ok=True)
-        if not (link_home / "models").exists():
-            (link_home / "models").symlink_to(models_dir)
-        monkeypatch.setenv("DFLASH_HOME", str(link_home))
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "models").symlink_to(models_dir)
+    monkeypatch.setenv("DFLASH_HOME", str(tmp_path / "home"))
     r = CliRunner().invoke(
         app, ["run", "--stats", "-n", "24", "Write a Python function that checks whether a number is prime."]
     )
