@@ -37,17 +37,22 @@ def _isolated_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None
     from runtime.engine.models import kernels
 
     home = tmp_path_factory.mktemp("session-home")
-    saved = {name: os.environ.get(name) for name in ("DFLASH_HOME", "HF_HUB_CACHE")}
-    os.environ["DFLASH_HOME"] = str(home)
-    os.environ["HF_HUB_CACHE"] = str(home / "hf")
-    kernels.configure(cache=tmp_path_factory.mktemp("kernels") / "kernels")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DFLASH_HOME", str(home))
+        mp.setenv("HF_HUB_CACHE", str(home / "hf"))
+        kernels.configure(cache=tmp_path_factory.mktemp("kernels") / "kernels")
+        yield
+        kernels.configure()
+
+
+@pytest.fixture
+def kernel_settings() -> Iterator[None]:
+    """Restore the process-wide kernel settings (and forget the loaded library) after the test."""
+    from runtime.engine.models import kernels
+
+    enabled, cache = kernels.settings()
     yield
-    kernels.configure()
-    for name, value in saved.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
+    kernels.configure(enabled, cache)
 
 
 @pytest.fixture(autouse=True)

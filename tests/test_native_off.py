@@ -18,14 +18,6 @@ from tests.fakes import collect_ids, greedy_reference
 native_here = kernels._cpu_ok() is None and kernels._compiler() is not None
 
 
-@pytest.fixture
-def kernel_settings():
-    """Restore the process-wide kernel settings (and forget the loaded library) after the test."""
-    enabled, cache = kernels.settings()
-    yield
-    kernels.configure(enabled, cache)
-
-
 @pytest.fixture(scope="module")
 def kernel_cache(tmp_path_factory):
     """One kernel build shared by this module's wrapper tests."""

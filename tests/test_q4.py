@@ -396,24 +396,20 @@ def test_a_dtype_cast_keeps_the_float16_scales():
     assert y.dtype == torch.bfloat16 and y.shape == (2, 8)
 
 
-def test_without_native_kernels_dflash_on_q4_still_equals_plain_greedy():
+def test_without_native_kernels_dflash_on_q4_still_equals_plain_greedy(kernel_settings):
     """DFLASH_NATIVE=0 (or no compiler): the PyTorch layers and the de-quantized q4 product, each
     step row computed alone, so DFlash on the q4 target still equals its plain greedy output."""
     model = make_target("qwen3", vocab_size=96, seed=7)
     quantize_model_inplace(model, "q4", "cpu")
-    enabled, cache = kernels.settings()
-    kernels.configure(enabled=False, cache=cache)
-    try:
-        lean = LeanTarget(model)
-        assert not lean.native_layers and lean.lean_layers[0].qkv.q4 and lean.lean_layers[0].qkv.q4_native is None
-        drafter = make_drafter(model.config, block_size=6)
-        rng = random.Random(7)
-        for _ in range(3):
-            p = [rng.randrange(96) for _ in range(rng.randint(2, 10))]
-            ref = lean_greedy_reference(lean, p, 16)
-            assert greedy_pair(lean, drafter, p, 16) == (ref, ref)
-    finally:
-        kernels.configure(enabled, cache)
+    kernels.configure(enabled=False, cache=kernels.settings()[1])
+    lean = LeanTarget(model)
+    assert not lean.native_layers and lean.lean_layers[0].qkv.q4 and lean.lean_layers[0].qkv.q4_native is None
+    drafter = make_drafter(model.config, block_size=6)
+    rng = random.Random(7)
+    for _ in range(3):
+        p = [rng.randrange(96) for _ in range(rng.randint(2, 10))]
+        ref = lean_greedy_reference(lean, p, 16)
+        assert greedy_pair(lean, drafter, p, 16) == (ref, ref)
 
 
 def test_the_quality_script_runs_on_a_tiny_pair(tiny_pair, tmp_path, monkeypatch, capsys):

@@ -83,8 +83,8 @@ def train(
             "--fim-from",
             help="Build a fill-in-the-middle dataset: holes cut from the source files under this folder as "
             "editors cut them (rest of a line, lines, a block, a function body; 'auto' as for --text-from; "
-            "a dataset folder: the code blocks of the target's answers in it; repeatable), middles answered greedily by the target in its FIM layout (generator 'fim'; "
-            "--answer-tokens caps a middle).",
+            "a dataset folder: the code blocks of the target's answers in it; repeatable), middles answered "
+            "greedily by the target in its FIM layout (generator 'fim'; --answer-tokens caps a middle).",
         ),
     ] = None,
     self_instruct: Annotated[

@@ -158,6 +158,7 @@ def build_file_requests(seed: int = 0, max_prompts: int | None = None, dedupe: b
     """Chat requests for whole source files, languages mixed by ``MIX`` (each language's topics
     shuffled by ``seed`` and used once before any repeats), in an order that interleaves them."""
     from runtime.train.generator import drop_evaluation_duplicates
+    from runtime.train.text import furthest_below_share
 
     rng = random.Random(seed)
     n = max_prompts if max_prompts is not None else len(TOPIC_LIST) * len(SHAPES)
@@ -165,8 +166,7 @@ def build_file_requests(seed: int = 0, max_prompts: int | None = None, dedupe: b
     taken = dict.fromkeys(SHAPES, 0)
     out: list[TrainPrompt] = []
     for _ in range(n * 2):  # room for the dedupe below
-        total = max(sum(taken.values()), 1)
-        lang = min(SHAPES, key=lambda x: (taken[x] / total - MIX[x], x))
+        lang = furthest_below_share(SHAPES, taken, MIX)
         suffix, fence, shapes = SHAPES[lang]
         topic = topics[lang][taken[lang] % len(TOPIC_LIST)]
         taken[lang] += 1

@@ -99,6 +99,13 @@ def balanced_files(roots: Iterable[Path], rng: random.Random, taken: dict[str, i
     return balanced(files_by_language(roots), rng, taken)
 
 
+def furthest_below_share(langs: Iterable[str], taken: dict[str, int], mix: dict[str, float]) -> str:
+    """The language of ``langs`` whose share of ``taken`` (language -> count) is furthest below its
+    ``mix`` share (0.02 for a language not in it); ties go to the first name."""
+    total = max(sum(taken.values()), 1)
+    return min(langs, key=lambda x: (taken[x] / total - mix.get(x, 0.02), x))
+
+
 def balanced(by_lang: dict[str, list[T]], rng: random.Random, taken: dict[str, int]) -> Iterator[tuple[str, T]]:
     """(language, item) of ``by_lang``, each language's items shuffled by ``rng`` (now), the next
     always from the language furthest below its ``LANG_MIX`` share (languages not in it get a small
@@ -115,8 +122,7 @@ def balanced(by_lang: dict[str, list[T]], rng: random.Random, taken: dict[str, i
             open_langs = [lang for lang in by_lang if cursor[lang] < len(by_lang[lang])]
             if not open_langs:
                 return
-            total = max(sum(taken.values()), 1)
-            lang = min(open_langs, key=lambda x: (taken[x] / total - LANG_MIX.get(x, 0.02), x))
+            lang = furthest_below_share(open_langs, taken, LANG_MIX)
             cursor[lang] += 1
             yield lang, by_lang[lang][cursor[lang] - 1]
 
