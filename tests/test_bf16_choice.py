@@ -4,8 +4,8 @@ rows differ; it is cached beside the calibration and read through a schema; a bf
 rows equal its one-token rows and greedy DFlash equals plain greedy in bf16 with the chosen path.
 
 Paths a machine lacks are skipped with the reason: dflash's AVX-512-BF16 kernel needs a CPU with
-AVX-512 F/BW/BF16 (and oneDNN's native bf16); there is no AMX path (not built: no AMX machine to test
-it on)."""
+AVX-512 F/BW/BF16 (and oneDNN's native bf16), its AMX kernel AMX-TILE/AMX-BF16 that Linux grants
+this process and that computes a probe tile (run on a 2-core Xeon with AMX, 2026-12-08)."""
 
 from __future__ import annotations
 
@@ -21,13 +21,18 @@ from runtime.engine.models.kernels import choice
 from runtime.engine.models.kernels.choice import Candidate, Timing, cached_choice, pick, read_choices, row_independent
 from tests.fakes import greedy_pair, tiny_target_config
 
-PATHS = ("dflash-avx2", "dflash-avx512bf16")
+PATHS = ("dflash-avx2", "dflash-avx512bf16", "dflash-amx")
+_KERNELS = {"dflash-avx2": "bf16_gemm", "dflash-avx512bf16": "bf16dp_gemm", "dflash-amx": "bf16amx_gemm"}
+_LACKS = {
+    "dflash-avx512bf16": "this CPU has no AVX-512-BF16 (cpuid), or the compiler no intrinsics for it",
+    "dflash-amx": "no AMX-BF16 here (cpuid), Linux did not grant the tile state, the probe tile failed, or the compiler has no AMX intrinsics",
+}
 
 
 def _path_fn(path: str):
-    fn = kernels.bf16_gemm() if path == "dflash-avx2" else kernels.bf16dp_gemm()
+    fn = getattr(kernels, _KERNELS[path])()
     if fn is None:
-        why = kernels.why_not() or "this CPU has no AVX-512-BF16 (cpuid), or the compiler no intrinsics for it"
+        why = kernels.why_not() or _LACKS[path]
         pytest.skip(f"{path} does not run here: {why}")
     return fn
 
@@ -42,16 +47,16 @@ def _choices_here(tmp_path, monkeypatch):
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("k", [896, 4864, 77, 33, 100])
 def test_every_row_is_computed_as_if_alone(path, k):
-    """1 row alone vs the same row inside 2, 3, 8, 17 rows and a prompt's 33 and 70 (tiles of four
-    weight rows, passes of 64): bit-identical, on each path."""
+    """1 row alone vs the same row inside 2, 3, 8, 17 rows and a prompt's 33, 70 and 300 (tiles of
+    four weight rows, passes of 64; AMX: 16-row tiles, passes of 256): bit-identical, on each path."""
     fn = _path_fn(path)
     g = torch.Generator().manual_seed(k)
     w = (torch.randn(45, k, generator=g) / 10).to(torch.bfloat16)  # 45 = 4 * 11 + 1: a last row alone
     b = torch.randn(45, generator=g)
-    x = torch.randn(70, k, generator=g)
+    x = torch.randn(300, k, generator=g)
     x[3] *= 1e4  # a row of large values beside small ones
-    alone = [fn(x[i : i + 1], w, b) for i in range(70)]
-    for t in (2, 3, 8, 17, 33, 70):
+    alone = [fn(x[i : i + 1], w, b) for i in range(300)]
+    for t in (2, 3, 8, 17, 33, 70, 300):
         block = fn(x[:t], w, b)
         for i in range(t):
             assert torch.equal(block[i : i + 1], alone[i]), (t, i)
@@ -73,11 +78,14 @@ def test_threads_do_not_change_results(path):
     assert torch.equal(one, two)
 
 
-@pytest.mark.parametrize(("n", "k"), [(64, 896), (37, 77), (5, 32), (130, 4864), (3, 1)])
-def test_avx512bf16_path_computes_the_product_of_bf16_rounded_rows(n, k):
-    """vdpbf16ps rounds the activations to bf16: the result is the (float32-accumulated) product of
-    the rounded rows and the bf16 weights, plus the bias."""
-    fn = _path_fn("dflash-avx512bf16")
+@pytest.mark.parametrize("path", ["dflash-avx512bf16", "dflash-amx"])
+@pytest.mark.parametrize(("n", "k"), [(64, 896), (37, 77), (5, 32), (130, 4864), (3, 1), (45, 64)])
+def test_bf16_activation_paths_compute_the_product_of_bf16_rounded_rows(path, n, k):
+    """vdpbf16ps and tdpbf16ps round the activations to bf16: the result is the (float32-accumulated)
+    product of the rounded rows and the bf16 weights, plus the bias (AMX: K a multiple of 32 and N
+    >= 16 run on tiles, the last block of 16 weight rows overlapping the one before; other shapes
+    run the AVX-512-BF16 kernel)."""
+    fn = _path_fn(path)
     g = torch.Generator().manual_seed(n * k)
     w = torch.randn(n, k, generator=g).to(torch.bfloat16)
     b = torch.randn(n, generator=g)
@@ -274,7 +282,8 @@ def test_doctor_shows_the_choice_and_the_times(tmp_path, monkeypatch):
 def test_the_library_builds_and_runs_without_the_avx512bf16_path(tmp_path):
     """A compiler without AVX-512-BF16 intrinsics (GCC < 10, clang < 9; forced here with
     -DHAVE_BF16DP=0) still builds the kernels: the path reports itself unsupported and its entry
-    point computes what dflash's float32-activation kernel computes (never an illegal instruction)."""
+    point computes what dflash's float32-activation kernel computes (never an illegal instruction);
+    the AMX entry point, which falls back to it, too."""
     import ctypes
     import subprocess
 
@@ -289,9 +298,34 @@ def test_the_library_builds_and_runs_without_the_avx512bf16_path(tmp_path):
     assert lib.dflash_bf16dp_supported() == 0
     wrap = kernels._wrap_float(torch.bfloat16, returns_rc=True)
     dp, plain = wrap(lib.dflash_bf16dp_gemm), kernels._wrap_float(torch.bfloat16)(lib.dflash_bf16_gemm)
+    amx = wrap(lib.dflash_bf16amx_gemm)
     w = torch.randn(37, 77).to(torch.bfloat16)
     x = torch.randn(5, 77)
     assert torch.equal(dp(x, w, None), plain(x, w, None))
+    assert torch.equal(amx(x, w, None), plain(x, w, None))
+
+
+def test_the_library_builds_and_runs_without_the_amx_path(tmp_path):
+    """A compiler without AMX intrinsics (GCC < 11, clang < 12; forced here with -DHAVE_AMX=0) still
+    builds the kernels: the AMX path reports itself unsupported and its entry point computes what the
+    AVX-512-BF16 entry point computes (never an illegal instruction)."""
+    import ctypes
+    import subprocess
+
+    cc = kernels._compiler()
+    if cc is None or kernels._cpu_ok() is not None:
+        pytest.skip(f"the native kernels do not build here: {kernels._cpu_ok() or 'no C compiler'}")
+    lib_path = tmp_path / "gemm.so"
+    cmd = [cc, *kernels.FLAGS, "-DHAVE_AMX=0", *(str(s) for s in kernels.SOURCES), "-o", str(lib_path)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lib = ctypes.CDLL(str(lib_path))
+    assert lib.dflash_bf16amx_supported() == 0
+    wrap = kernels._wrap_float(torch.bfloat16, returns_rc=True)
+    amx, dp = wrap(lib.dflash_bf16amx_gemm), wrap(lib.dflash_bf16dp_gemm)
+    w = torch.randn(48, 896).to(torch.bfloat16)
+    x = torch.randn(5, 896)
+    assert torch.equal(amx(x, w, None), dp(x, w, None))
 
 
 def test_a_stored_choice_is_read_and_doctor_speed_measures_again(tmp_path):

@@ -88,16 +88,18 @@ def test_every_row_is_computed_as_if_alone(k):
 @pytest.mark.parametrize("n", [45, 2051])
 def test_a_prompts_rows_are_computed_as_if_alone(n):
     """Passes of many rows (a prefill) take tiles of two or four weight rows (four from N >= 2048) on
-    the int8 and AVX-512-BF16 paths: rows 0..69 of such a GEMM equal the same rows computed alone,
+    the int8, AVX-512-BF16 and AMX paths: rows 0..69 of such a GEMM equal the same rows computed alone,
     bit for bit, with a last tile of fewer weight rows (45 and 2051 are not multiples of 4)."""
     q, s, b = _weights(n, 896, seed=n)
     w16 = (torch.randn(n, 896) / 10).to(torch.bfloat16)
     x = torch.randn(70, 896)
     x[5] *= 1e3
     kernels_here = [lambda r: gemm(r, q, s, b)]
-    dp = kernels.bf16dp_gemm()
+    dp, amx = kernels.bf16dp_gemm(), kernels.bf16amx_gemm()
     if dp is not None:
         kernels_here.append(lambda r: dp(r, w16, b))
+    if amx is not None:
+        kernels_here.append(lambda r: amx(r, w16, b))
     for fn in kernels_here:
         block = fn(x)
         for i in (0, 3, 5, 33, 63, 64, 69):

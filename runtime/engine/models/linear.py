@@ -6,10 +6,11 @@ a BLAS whose small-row GEMMs run at half the packed kernel's speed on AVX2 CPUs)
 (concatenated) weight once into oneDNN's blocked layout (``mkldnn._reorder_linear_weight``, the
 op torch.compile's CPU backend emits for frozen weights) and calls the packed GEMM
 (``mkldnn._linear_pointwise``): same kernel family, same results, several times less time per
-call. bf16 weights on a CPU take one of three paths (``current_bf16_path``): dflash's native bf16
+call. bf16 weights on a CPU take one of four paths (``current_bf16_path``): dflash's native bf16
 GEMM (``runtime.engine.models.kernels``: the bf16 weights widened to float32 in registers, float32
 activations and accumulation, half float32's bytes read per step), its AVX-512-BF16 GEMM
-(``vdpbf16ps``, activations rounded per row to bf16) where the CPU has it, or oneDNN's packed GEMM
+(``vdpbf16ps``, activations rounded per row to bf16) where the CPU has it, its AMX GEMM
+(``tdpbf16ps`` tiles, the same rounding) where AMX runs, or oneDNN's packed GEMM
 with bf16 activations where oneDNN has native bf16. A bf16 target's path is chosen by measurement at
 its first load on a machine (``choose_bf16``: the fastest that computes a verify row exactly as a
 one-token row; ``runtime.engine.models.kernels.choice``); without one, oneDNN's where the CPU has native
@@ -77,7 +78,9 @@ def _int8_parts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 # The bf16 paths (``runtime.engine.models.kernels.choice.PATHS``): dflash's kernels take float32 activations
 # (the AVX-512-BF16 one rounds them to bf16 itself), oneDNN's packed GEMM bf16 activations.
-DFLASH_BF16_PATHS = ("dflash-avx2", "dflash-avx512bf16")
+DFLASH_BF16_PATHS = ("dflash-avx2", "dflash-avx512bf16", "dflash-amx")
+# the weights' kind in ``kernels.Proj`` (the native layers) on each of dflash's bf16 paths
+_BF16_NATIVE_KIND = {"dflash-avx2": 0, "dflash-avx512bf16": 3, "dflash-amx": 5}
 ONEDNN_BF16 = "onednn-bf16"
 _process: dict[str, str | None] = {}  # "bf16": the path this process chose (choose_bf16)
 
@@ -94,6 +97,8 @@ def bf16_candidates() -> list[str]:
     if cpu_has_fast_bf16():
         if kernels.bf16dp_gemm() is not None:
             out.append("dflash-avx512bf16")
+        if kernels.bf16amx_gemm() is not None:
+            out.append("dflash-amx")
         if torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
             out.append(ONEDNN_BF16)
     return out
@@ -121,6 +126,8 @@ def _bf16_kernel(path: str | None) -> Any:
         return kernels.bf16_gemm()
     if path == "dflash-avx512bf16":
         return kernels.bf16dp_gemm()
+    if path == "dflash-amx":
+        return kernels.bf16amx_gemm()
     return None
 
 
@@ -252,14 +259,15 @@ class FusedLinear:
     @property
     def native_kind(self) -> int:
         """The weights' kind for ``kernels.Proj`` (the native layers): 0 = bf16 (float32
-        activations), 1 = int8, 2 = float32, 3 = bf16 on the AVX-512-BF16 path, 4 = q4."""
+        activations), 1 = int8, 2 = float32, 3 = bf16 on the AVX-512-BF16 path, 4 = q4, 5 = bf16 on
+        AMX tiles."""
         if self.q4:
             return 4
         if self.int8:
             return 1
         if self.f32 is not None:
             return 2
-        return 3 if self.bf16_path == "dflash-avx512bf16" else 0
+        return _BF16_NATIVE_KIND.get(self.bf16_path or "", 0)
 
     @staticmethod
     def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -343,6 +351,8 @@ class FusedLinear:
             y = ops.int8_gemm(x.float().contiguous(), self.weight, self.scale, self.bias).to(x.dtype)
         elif self.bf16 is not None and self.bf16_path == "dflash-avx512bf16":
             y = ops.bf16dp_gemm(x.float().contiguous(), self.weight, self.bias).to(x.dtype)
+        elif self.bf16 is not None and self.bf16_path == "dflash-amx":
+            y = ops.bf16amx_gemm(x.float().contiguous(), self.weight, self.bias).to(x.dtype)
         elif self.bf16 is not None:
             y = ops.bf16_gemm(x.float().contiguous(), self.weight, self.bias).to(x.dtype)
         elif self.f32 is not None:

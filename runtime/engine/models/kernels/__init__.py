@@ -12,6 +12,10 @@
 - ``bf16dp_gemm``: bfloat16 weights x activations rounded per row to bfloat16, ``vdpbf16ps``
   (AVX-512-BF16; only where cpuid reports it, else None). Different results from ``bf16_gemm``'s, so
   a model runs one of the two for every step (``runtime.engine.models.linear.choose_bf16`` measures which).
+- ``bf16amx_gemm``: the same bf16 x bf16-rounded product on AMX tiles (``amx.c``, ``tdpbf16ps``; only
+  where cpuid reports AMX-BF16, Linux grants the tile state and a probe in a forked child passes,
+  else None): one pass over the weights for up to 16 rows, and a prefill at the tiles' rate. Its
+  sums differ from ``bf16dp_gemm``'s; again one path per process, chosen by measurement.
 - ``f32_gemm``: float32 weights in register-blocked tiles (2 input rows x 4 weight rows). With
   float32's bytes a step of a few rows runs out of arithmetic sooner than with bf16 or int8 weights,
   so this one shares loads across a tile instead of streaming one weight row at a time.
@@ -21,7 +25,7 @@
   integers: exact integer sums per group, float32 across groups. AVX2, or AVX-512 VNNI where the CPU
   has it (``q4_isa``): the same float operations lane for lane, identical results.
 
-All five read each weight row once per call for all rows of a verify block, and compute every row
+All six read each weight row once per call for all rows of a verify block, and compute every row
 exactly as it would alone (the lossless contract of greedy DFlash).
 
 The shared library is built with the system C compiler (``cc``, ``gcc`` or ``clang`` on PATH) into
@@ -70,6 +74,8 @@ __all__ = [
     "Q4Gemm",
     "Shape",
     "bf16_gemm",
+    "bf16amx_gemm",
+    "bf16amx_supported",
     "bf16dp_gemm",
     "bf16dp_supported",
     "cache_dir",
@@ -244,6 +250,33 @@ def bf16dp_gemm() -> Bf16Gemm | None:
         wrap = _wrap_float(torch.bfloat16, returns_rc=True)
         _loaded["bf16dp"] = wrap(lib.dflash_bf16dp_gemm) if lib is not None and bf16dp_supported() else None
     fn: Bf16Gemm | None = _loaded["bf16dp"]
+    return fn
+
+
+def bf16amx_supported() -> bool:
+    """Whether this CPU (cpuid: AMX-TILE, AMX-BF16, AVX-512 F/BW/BF16), its kernel (the tile state
+    granted to this process) and this build run ``bf16amx_gemm``'s own path; a probe of one tile runs
+    in a forked child first, so a VM that advertises AMX and faults on it only answers False."""
+    lib = _library()
+    if lib is None:
+        return False
+    if "amx_ok" not in _loaded:
+        fn = lib.dflash_bf16amx_supported
+        fn.restype, fn.argtypes = ctypes.c_int, []
+        _loaded["amx_ok"] = bool(fn())
+    ok: bool = _loaded["amx_ok"]
+    return ok
+
+
+def bf16amx_gemm() -> Bf16Gemm | None:
+    """The AMX bf16-weight GEMM (``amx.c``: ``tdpbf16ps`` tiles; activations rounded per row to bf16
+    inside), ``f(x [M, K] f32, w [N, K] bf16, bias [N] f32 | None) -> y [M, N] f32``, or None where
+    AMX does not run here (no line on stderr: callers offer the other bf16 paths instead)."""
+    if "bf16amx" not in _loaded:
+        lib = _library()
+        wrap = _wrap_float(torch.bfloat16, returns_rc=True)
+        _loaded["bf16amx"] = wrap(lib.dflash_bf16amx_gemm) if lib is not None and bf16amx_supported() else None
+    fn: Bf16Gemm | None = _loaded["bf16amx"]
     return fn
 
 

@@ -21,7 +21,12 @@ import tempfile
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("gemm.c")
-SOURCES = (SOURCE, Path(__file__).with_name("layers.c"), Path(__file__).with_name("q4.c"))
+SOURCES = (
+    SOURCE,
+    Path(__file__).with_name("layers.c"),
+    Path(__file__).with_name("q4.c"),
+    Path(__file__).with_name("amx.c"),
+)
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
 
 
@@ -65,6 +70,8 @@ SYMBOLS = (
     "dflash_bf16_gemm",
     "dflash_bf16dp_supported",
     "dflash_bf16dp_gemm",
+    "dflash_bf16amx_supported",
+    "dflash_bf16amx_gemm",
     "dflash_f32_gemm",
     "dflash_layers",
     "dflash_q4_isa",

@@ -2,7 +2,8 @@
 
 On a CPU, bf16 weights can run on several paths: dflash's own kernel with float32 activations
 (``bf16_gemm``, AVX2 + FMA), dflash's AVX-512-BF16 kernel (``bf16dp_gemm``: ``vdpbf16ps``, the
-activations rounded per row to bf16) where the CPU has it, and oneDNN's packed GEMM with bf16
+activations rounded per row to bf16) where the CPU has it, its AMX kernel (``bf16amx_gemm``:
+``tdpbf16ps`` tiles, the same rounding) where AMX runs, and oneDNN's packed GEMM with bf16
 activations where oneDNN has native bf16. Which one is fastest depends on the machine (an ISA flag
 does not tell: on a 2-core AVX-512-BF16 EPYC oneDNN's one-token step ran at 0.60x llama.cpp's), and
 only some of them compute a verify row exactly as a one-token row (oneDNN's batched rows do not),
@@ -38,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 PATHS = {
     "dflash-avx2": "dflash's bf16 kernel, float32 activations (AVX2 + FMA)",
     "dflash-avx512bf16": "dflash's bf16 kernel, bf16 activations (AVX-512-BF16 vdpbf16ps)",
+    "dflash-amx": "dflash's bf16 kernel, bf16 activations (AMX tdpbf16ps tiles)",
     "onednn-bf16": "oneDNN's packed GEMM, bf16 activations",
 }
 VERIFY_ROWS = 8  # rows of the verify timed and checked (a typical DFlash block)

@@ -1,5 +1,5 @@
 /* The decoder layers of a Llama-family target (Llama, Qwen2/2.5, Qwen3) for one decode or verify step,
- * in one native call: float32 activations, projections through dflash's int8, bf16 or float32 GEMMs (gemm.c) or its 4-bit one (q4.c).
+ * in one native call: float32 activations, projections through dflash's int8, bf16 or float32 GEMMs (gemm.c), its AMX one (amx.c) or its 4-bit one (q4.c).
  *
  * Why: at one to a few rows a step's arithmetic between the GEMMs (norms, rotary embedding,
  * attention over a few hundred keys, SiLU, residual adds) is tiny, but in eager PyTorch it is ~20
@@ -33,6 +33,8 @@ void dflash_f32_gemm(const float *x, int64_t M, int64_t K, const float *w, const
                      int threads);
 int dflash_bf16dp_gemm(const float *x, int64_t M, int64_t K, const uint16_t *w, const float *bias, int64_t N, float *y,
                        int threads);
+int dflash_bf16amx_gemm(const float *x, int64_t M, int64_t K, const uint16_t *w, const float *bias, int64_t N, float *y,
+                        int threads);
 int dflash_q4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, const uint16_t *sm, const float *bias,
                    int64_t N, float *y, int threads);
 
@@ -42,7 +44,8 @@ typedef struct {
     const float *scale; /* int8: per-row scales; q4: the float16 scales and minimums (q4.c); bf16, float32: NULL */
     const float *bias;
     int64_t n, k;
-    int64_t kind; /* weights: 0 = bf16, 1 = int8, 2 = float32, 3 = bf16 on the AVX-512-BF16 path (gemm.c), 4 = q4 (q4.c) */
+    int64_t kind; /* weights: 0 = bf16, 1 = int8, 2 = float32, 3 = bf16 on the AVX-512-BF16 path (gemm.c), 4 = q4 (q4.c),
+                     5 = bf16 on AMX tiles (amx.c) */
 } Proj;
 
 /* One decoder layer (the order of fields is the ctypes Structure in kernels/__init__.py). */
@@ -66,6 +69,7 @@ static int proj(const Proj *p, const float *x, int64_t m, float *y, int threads)
     }
     if (p->kind == 4)
         return dflash_q4_gemm(x, m, p->k, (const uint8_t *)p->w, (const uint16_t *)p->scale, p->bias, p->n, y, threads);
+    if (p->kind == 5) return dflash_bf16amx_gemm(x, m, p->k, (const uint16_t *)p->w, p->bias, p->n, y, threads);
     if (p->kind == 3) return dflash_bf16dp_gemm(x, m, p->k, (const uint16_t *)p->w, p->bias, p->n, y, threads);
     dflash_bf16_gemm(x, m, p->k, (const uint16_t *)p->w, p->bias, p->n, y, threads);
     return 0;

@@ -62,6 +62,19 @@ def _(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tens
     return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32)
 
 
+@torch.library.custom_op("dflash::bf16amx_gemm", mutates_args=())
+def bf16amx_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """dflash's AMX bf16-weight GEMM (``kernels.bf16amx_gemm``): y [M, N] float32."""
+    fn = kernels.bf16amx_gemm()
+    assert fn is not None
+    return fn(x, w, bias)
+
+
+@bf16amx_gemm.register_fake
+def _(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32)
+
+
 @torch.library.custom_op("dflash::f32_linear", mutates_args=())
 def f32_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """A float32 projection as ``FusedLinear`` computes it (``kernels.f32_project``: dflash's native
