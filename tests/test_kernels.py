@@ -110,22 +110,27 @@ def test_a_prompts_rows_are_computed_as_if_alone(n):
 @needs_native
 @pytest.mark.parametrize("k", [896, 4864, 77, 48, 16400])
 def test_int8_paths_give_identical_results(k):
-    """The AVX-512 VNNI path (where the CPU has it) sums the same integers as the AVX2 one: equal
-    bit for bit, at every row count, K tail and chunk boundary (16400 > 4096 * 4)."""
+    """The AVX-512 VNNI path and the AMX tiles (where the CPU has them) sum the same integers as the
+    AVX2 path: equal bit for bit, at every row count (AMX: one and several 16-row column blocks),
+    K tail and chunk boundary (16400 > 4096 * 4)."""
     best = kernels.int8_isa()
-    if best != "avx512vnni":
-        pytest.skip(f"this CPU runs the int8 kernel with {best}")
+    if best == "avx2":
+        pytest.skip(f"this CPU runs the int8 kernel with {best} only")
     q, s, b = _weights(41, k, seed=k)
-    x = torch.randn(12, k)
+    x = torch.randn(40, k)
     x[2] *= 300.0  # a row of large values: int32 partial sums near their bound
+    x[33] *= -300.0
+    runs = {}
     try:
-        wide = [gemm(x[:t], q, s, b) for t in (1, 3, 8, 12)]
-        assert kernels.int8_isa("avx2") == "avx2"
-        narrow = [gemm(x[:t], q, s, b) for t in (1, 3, 8, 12)]
+        for isa in ("avx2", "avx512vnni", "amx"):
+            if kernels.int8_isa(isa) == isa:
+                runs[isa] = [gemm(x[:t], q, s, b) for t in (1, 3, 8, 12, 40)]
     finally:
         assert kernels.int8_isa("best") == best
-    for a, c in zip(wide, narrow, strict=True):
-        assert torch.equal(a, c)
+    assert best in runs
+    for isa, got in runs.items():
+        for a, c in zip(got, runs["avx2"], strict=True):
+            assert torch.equal(a, c), isa
     # every product at its largest: the int32 partial sums must not wrap
     y = gemm(torch.ones(2, k), torch.full((3, k), -128, dtype=torch.int8), torch.ones(3), None)
     torch.testing.assert_close(y, torch.full((2, 3), -128.0 * k), rtol=1e-6, atol=0)

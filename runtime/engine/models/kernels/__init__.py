@@ -5,7 +5,9 @@
 - ``int8_gemm``: int8 weights (one scale per output row) x activations rounded per row to 15-bit
   integers, exact int32 sums. ATen's own ``_weight_int8pack_mm`` reaches about a third of the
   memory bandwidth on AVX2 CPUs and takes bf16 activations. On CPUs with AVX-512 VNNI the sums run
-  as ``vpdpwssd`` (chosen at run time, ``int8_isa``): the same integers, identical results.
+  as ``vpdpwssd``, and on CPUs with AMX-INT8 calls of several rows run on tiles (``amx.c``: each
+  activation split into a high and a low byte, ``tdpbssd`` + ``tdpbsud``); chosen at run time
+  (``int8_isa``): the same integers, identical results.
 - ``bf16_gemm``: bfloat16 weights, widened to float32 exactly, float32 accumulation. On CPUs without native bf16
   (AVX2, AVX-512 without BF16) oneDNN and ATen emulate bf16 GEMMs several times slower than
   float32; this reads half float32's bytes at float32's arithmetic.
@@ -143,20 +145,22 @@ def note_bf16_path(path: str | None) -> None:
     _loaded["bf16_path"] = path
 
 
-_ISAS = ("avx2", "avx512vnni")
+_ISAS = ("avx2", "avx512vnni", "amx")
 
 
 def int8_isa(want: str | None = None) -> str:
-    """The int8 kernel's instruction set: "avx2", or "avx512vnni" where the CPU has AVX-512 VNNI
-    (the default there). ``want`` switches it for this process ("avx2", or "best"); both compute
-    the same integer sums, so results do not change. "off" where the library does not run."""
+    """The int8 kernel's instruction set: "avx2", "avx512vnni" where the CPU has AVX-512 VNNI, or
+    "amx" where AMX-INT8 runs too (tiles for calls of two rows or more, VNNI for one): the best
+    this CPU has by default. ``want`` switches it for this process ("avx2", "avx512vnni", "amx" or
+    "best"; one the CPU lacks falls back to the best below it); all compute the same integer sums,
+    so results do not change. "off" where the library does not run."""
     lib = _library()
     if lib is None:
         return "off"
     fn = lib.dflash_int8_isa
     fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_int]
     if want is not None:
-        _loaded["isa"] = _ISAS[fn(0 if want == "avx2" else -1)]
+        _loaded["isa"] = _ISAS[fn(_ISAS.index(want) if want in _ISAS else -1)]
     elif "isa" not in _loaded:
         _loaded["isa"] = _ISAS[fn(-1)]
     isa: str = _loaded["isa"]

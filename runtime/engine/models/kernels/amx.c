@@ -48,7 +48,7 @@ int dflash_bf16dp_gemm(const float *x, int64_t M, int64_t K, const uint16_t *w, 
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
-#define VAMX __attribute__((target("avx512f,avx512bw,avx512bf16,amx-tile,amx-bf16")))
+#define VAMX __attribute__((target("avx512f,avx512bw,avx512bf16,amx-tile,amx-bf16,amx-int8")))
 
 /* Rows per pass over the weights in a prefill: the pass's bf16 activations (AMX_PASS x K) stay in L2
  * while every weight tile of the pass uses them. */
@@ -128,20 +128,15 @@ int dflash_bf16amx_supported(void) {
  * bf16(x[m0 + i][2p + j]) for the K/2 pairs p, zero for i >= mb (Mp a multiple of 16). */
 VAMX static void pack_rows(const float *x, int64_t m0, int64_t mb, int64_t K, int64_t Mp, uint32_t *xp) {
     const int64_t P = K / 2;
-    uint16_t row[K <= 8192 ? 8192 : 1];
-    uint16_t *r = K <= 8192 ? row : (uint16_t *)malloc((size_t)K * 2);
-    for (int64_t i = 0; i < Mp; i++) {
-        if (i >= mb) {
-            for (int64_t p = 0; p < P; p++) xp[p * Mp + i] = 0;
-            continue;
-        }
+    if (mb < Mp) memset(xp, 0, (size_t)(P * Mp * 4));
+    for (int64_t i = 0; i < mb; i++) {
         const float *src = x + (m0 + i) * K;
-        for (int64_t k = 0; k < K; k += 16) /* K is a multiple of 32 */
-            _mm256_storeu_si256((__m256i *)(r + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + k)));
-        const uint32_t *pairs = (const uint32_t *)r;
-        for (int64_t p = 0; p < P; p++) xp[p * Mp + i] = pairs[p];
+        for (int64_t k = 0; k < K; k += 16) { /* K is a multiple of 32: eight pairs at a time */
+            uint32_t pairs[8];
+            _mm256_storeu_si256((__m256i *)pairs, (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + k)));
+            for (int q = 0; q < 8; q++) xp[(k / 2 + q) * Mp + i] = pairs[q];
+        }
     }
-    if (r != row) free(r);
 }
 
 /* A C tile (16 weight rows n0.. x 16 input rows m0..) into y [., N]: the rows below nlim and mlim. */
@@ -247,8 +242,142 @@ VAMX static void amx_pass(const uint32_t *xp, int64_t m0, int64_t mb, int64_t Mp
         _tile_release();
     }
 }
+
+/* ---- int8 weights x 15-bit activations on AMX tiles (tdpbssd, tdpbsud) -----------------------
+ *
+ * dflash_int8amx_dots: the exact integer dot products of dflash_int8_gemm (gemm.c: int8 weights x
+ * activations rounded per row to int16 of at most 16383 in magnitude), on tiles. A tile multiplies
+ * bytes, so each activation is split into a signed high byte and an unsigned low byte, x = 256 hi +
+ * lo (hi in [-64, 63], lo in [0, 255]): tdpbssd sums w * hi, tdpbsud sums w * lo, each in int32
+ * without overflow for K <= AMX_INT8_KMAX (255 * 128 * K < 2^31), and the dot product is 256 sum_hi
+ * + sum_lo in int64: the same integer as gemm.c's, so the same float32 result bit for bit (identical
+ * to the AVX2 and AVX-512 VNNI paths; which path runs changes nothing but time). */
+#ifndef AMX_INT8_KMAX
+#define AMX_INT8_KMAX 65536
+#endif
+
+/* Split rows [m0, m0 + mb) of xq (int16, Kp apart) into B tiles of bytes: hi/lo[(g * Mp + i) * 4 + j]
+ * = the high/low byte of xq[m0 + i][4g + j] for the K/4 groups g, zero for i >= mb. */
+VAMX static void split_rows(const int16_t *xq, int64_t Kp, int64_t m0, int64_t mb, int64_t K, int64_t Mp, int8_t *hi,
+                            uint8_t *lo) {
+    if (mb < Mp) {
+        memset(hi, 0, (size_t)(K * Mp));
+        memset(lo, 0, (size_t)(K * Mp));
+    }
+    const __m256i low = _mm256_set1_epi16(0xFF);
+    for (int64_t i = 0; i < mb; i++) {
+        const int16_t *r = xq + (m0 + i) * Kp;
+        for (int64_t k = 0; k < K; k += 16) { /* K is a multiple of 64 */
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(r + k));
+            const __m256i h = _mm256_srai_epi16(v, 8), l = _mm256_and_si256(v, low); /* arithmetic shift: floor(v / 256) */
+            const __m128i h8 = _mm_packs_epi16(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+            const __m128i l8 = _mm_packus_epi16(_mm256_castsi256_si128(l), _mm256_extracti128_si256(l, 1));
+            int32_t hw[4], lw[4];
+            _mm_storeu_si128((__m128i *)hw, h8);
+            _mm_storeu_si128((__m128i *)lw, l8);
+            for (int q = 0; q < 4; q++) {
+                const int64_t at = ((k / 4 + q) * Mp + i) * 4;
+                memcpy(hi + at, &hw[q], 4);
+                memcpy(lo + at, &lw[q], 4);
+            }
+        }
+    }
+}
+
+/* y rows [m0, m0 + mb): for each pair of 16-row weight blocks (in parallel) and each block of 16 input
+ * rows, the high and low sums over k, 64 at a time in order; then y = dot * (xs * scale) (+ bias),
+ * the expression of gemm.c's store_dots. */
+VAMX static void amx_int8_pass(const int8_t *hi, const uint8_t *lo, int64_t m0, int64_t mb, int64_t Mp, int64_t K,
+                               const int8_t *w, const float *xs, const float *scale, const float *bias, int64_t N,
+                               float *y, int threads) {
+    const int64_t blocks = (N + 15) / 16, pairs = (blocks + 1) / 2, bstride = Mp * 4;
+#pragma omp parallel num_threads(threads)
+    {
+        TileConfig cfg;
+        tile_config(&cfg);
+        _tile_loadconfig(&cfg);
+        int32_t c[4][256];
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < pairs; g++) {
+            const int64_t t0 = g * 2, two = t0 + 1 < blocks;
+            const int8_t *w0 = w + block_row(t0, N) * K, *w1 = w + block_row(two ? t0 + 1 : t0, N) * K;
+            for (int64_t j = 0; j < Mp; j += 16) {
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int64_t k = 0; k < K; k += 64) {
+                    _tile_loadd(6, hi + (k / 4 * Mp + j) * 4, bstride);
+                    _tile_loadd(7, lo + (k / 4 * Mp + j) * 4, bstride);
+                    _tile_loadd(4, w0 + k, K);
+                    _tile_dpbssd(0, 4, 6);
+                    _tile_dpbsud(1, 4, 7);
+                    if (two) {
+                        _tile_loadd(5, w1 + k, K);
+                        _tile_dpbssd(2, 5, 6);
+                        _tile_dpbsud(3, 5, 7);
+                    }
+                }
+                _tile_stored(0, c[0], 64);
+                _tile_stored(1, c[1], 64);
+                _tile_stored(2, c[2], 64);
+                _tile_stored(3, c[3], 64);
+                for (int64_t a = 0; a <= two; a++) {
+                    const int64_t t = t0 + a, n0 = block_row(t, N), from = t > 0 && n0 < t * 16 ? t * 16 : n0;
+                    for (int64_t r = from - n0; r < 16; r++) {
+                        const int64_t n = n0 + r;
+                        for (int64_t i = 0; i < 16 && j + i < mb; i++) {
+                            const int64_t m = m0 + j + i;
+                            const int64_t dot = 256 * (int64_t)c[2 * a][r * 16 + i] + c[2 * a + 1][r * 16 + i];
+                            const float v = (float)dot * (xs[m] * scale[n]);
+                            y[m * N + n] = bias ? v + bias[n] : v;
+                        }
+                    }
+                }
+            }
+        }
+        _tile_release();
+    }
+}
+
+/* 1 where dflash_int8amx_dots runs on tiles here (AMX-INT8 too), else 0 (the caller runs its own path). */
+int dflash_int8amx_supported(void) {
+    if (!dflash_bf16amx_supported()) return 0;
+    unsigned a, b, c, d;
+    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((d >> 25) & 1);
+}
+
+/* y [M, N] from xq [M, Kp] int16 (rounded by gemm.c), its row scales xs [M], w [N, K] int8, scale [N],
+ * bias [N] or NULL. Returns 0, 1 where these shapes do not run on tiles (K not a multiple of 64 or
+ * above AMX_INT8_KMAX, N < 16: the caller computes them), or -1 without memory. */
+int dflash_int8amx_gemm(const int16_t *xq, int64_t M, int64_t Kp, const int8_t *w, int64_t K, const float *xs,
+                        const float *scale, const float *bias, int64_t N, float *y, int threads) {
+    if (!dflash_int8amx_supported() || K % 64 != 0 || K > AMX_INT8_KMAX || N < 16) return 1;
+    const int64_t pass = M < AMX_PASS ? M : AMX_PASS, Mp_max = (pass + 15) & ~(int64_t)15;
+    int8_t *hi = (int8_t *)aligned_alloc(64, (size_t)(K * Mp_max));
+    uint8_t *lo = (uint8_t *)aligned_alloc(64, (size_t)(K * Mp_max));
+    if (!hi || !lo) {
+        free(hi);
+        free(lo);
+        return -1;
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += AMX_PASS) {
+        const int64_t mb = M - m0 < AMX_PASS ? M - m0 : AMX_PASS, Mp = (mb + 15) & ~(int64_t)15;
+        split_rows(xq, Kp, m0, mb, K, Mp, hi, lo);
+        amx_int8_pass(hi, lo, m0, mb, Mp, K, w, xs, scale, bias, N, y, threads);
+    }
+    free(hi);
+    free(lo);
+    return 0;
+}
 #else
 int dflash_bf16amx_supported(void) { return 0; }
+int dflash_int8amx_supported(void) { return 0; }
+int dflash_int8amx_gemm(const int16_t *xq, int64_t M, int64_t Kp, const int8_t *w, int64_t K, const float *xs,
+                        const float *scale, const float *bias, int64_t N, float *y, int threads) {
+    (void)xq, (void)M, (void)Kp, (void)w, (void)K, (void)xs, (void)scale, (void)bias, (void)N, (void)y, (void)threads;
+    return 1;
+}
 #endif
 
 /* x [M, K] float32 row-major (rounded to bf16 here), w [N, K] bfloat16 bits row-major, bias [N] float32
