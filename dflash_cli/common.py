@@ -7,6 +7,7 @@ Only the CLI reads environment variables:
   DFLASH_HOME      dflash's data root (default: the platform user cache dir, e.g. ~/.cache/dflash)
   DFLASH_DEBUG=1   show full tracebacks instead of one-line errors
   DFLASH_NATIVE=0  do not build or use dflash's native CPU kernels (int8 GEMM; ATen's are used)
+  DFLASH_AMX=0     keep dflash's native kernels off AMX tiles (AVX-512/AVX2 paths only)
   DFLASH_KEEP_HEAP=0  leave glibc's mmap/trim thresholds alone (default: raised to 1 GB on CPU loads)
   HF_HUB_OFFLINE=1 never use the network (same as --offline); HF_HOME / HF_TOKEN as in huggingface_hub
 """
@@ -184,11 +185,14 @@ def confidence_cut(flag: bool | None) -> bool:
 
 
 def configure_kernels() -> None:
-    """Native CPU kernels: on unless DFLASH_NATIVE=0, compiled into $DFLASH_HOME/kernels; the heap
-    thresholds raised on CPU loads unless DFLASH_KEEP_HEAP=0."""
+    """Native CPU kernels: on unless DFLASH_NATIVE=0, compiled into $DFLASH_HOME/kernels, on AMX
+    tiles where the CPU has them unless DFLASH_AMX=0; the heap thresholds raised on CPU loads unless
+    DFLASH_KEEP_HEAP=0."""
     from runtime.engine.models import heap, kernels
 
-    kernels.configure(enabled=not _switched_off("DFLASH_NATIVE"), cache=data_home() / "kernels")
+    kernels.configure(
+        enabled=not _switched_off("DFLASH_NATIVE"), cache=data_home() / "kernels", amx=not _switched_off("DFLASH_AMX")
+    )
     heap.configure(not _switched_off("DFLASH_KEEP_HEAP"))
 
 

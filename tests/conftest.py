@@ -50,9 +50,9 @@ def kernel_settings() -> Iterator[None]:
     """Restore the process-wide kernel settings (and forget the loaded library) after the test."""
     from runtime.engine.models import kernels
 
-    enabled, cache = kernels.settings()
+    enabled, cache, amx = kernels.settings()
     yield
-    kernels.configure(enabled, cache)
+    kernels.configure(enabled, cache, amx)
 
 
 @pytest.fixture(autouse=True)

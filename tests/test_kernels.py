@@ -172,6 +172,42 @@ def test_disabled_native_kernel_falls_back_with_one_line(tmp_path):
     assert lines == ["dflash: native int8 kernel unavailable (switched off: DFLASH_NATIVE=0); using ATen's int8 GEMM"]
 
 
+@needs_native
+def test_amx_switched_off_keeps_the_kernels_off_tiles_with_the_same_int8_results(kernel_settings):
+    """``configure(amx=False)`` (the CLI's DFLASH_AMX=0) on a CPU with AMX: no AMX bf16 path is
+    offered, the int8 kernel runs AVX-512 VNNI, and int8 results do not change (the same integers)."""
+    from runtime.engine.models import linear
+
+    if not kernels.bf16amx_supported():
+        pytest.skip("no AMX here (cpuid, the kernel's tile state or the probe tile)")
+    enabled, cache, _ = kernels.settings()
+    q, s, b = _weights(48, 896, seed=4)
+    x = torch.randn(40, 896)
+    on = kernels.int8_gemm()(x, q, s, b)
+    assert kernels.int8_isa() == "amx"
+    kernels.configure(enabled, cache, amx=False)
+    assert not kernels.bf16amx_supported() and kernels.bf16amx_gemm() is None
+    assert "dflash-amx" not in linear.bf16_candidates()
+    assert kernels.int8_isa() == "avx512vnni"
+    assert torch.equal(kernels.int8_gemm()(x, q, s, b), on)
+    kernels.configure(enabled, cache, amx=True)
+    assert kernels.bf16amx_supported() and kernels.int8_isa() == "amx"
+
+
+def test_dflash_amx_0_reaches_the_kernels_from_the_cli_environment():
+    """The CLI reads DFLASH_AMX=0 into the kernel settings (and nothing else changes)."""
+    code = (
+        "from dflash_cli.common import configure_kernels; configure_kernels()\n"
+        "from runtime.engine.models import kernels\n"
+        "print(kernels.settings()[0], kernels.settings()[2], kernels.bf16amx_supported(), kernels.int8_isa())\n"
+    )
+    env = {**os.environ, "DFLASH_AMX": "0"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    native, amx, tiles, isa = r.stdout.split()
+    assert (native, amx, tiles) == ("True", "False", "False") and isa != "amx"
+
+
 def test_no_compiler_falls_back(tmp_path):
     code = (
         "from pathlib import Path; from runtime.engine.models import kernels\n"

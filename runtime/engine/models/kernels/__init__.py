@@ -100,22 +100,24 @@ __all__ = [
 
 _loaded: dict[str, Any] = {}
 _why_not: dict[str, str] = {}
-_settings: dict[str, Any] = {"enabled": True, "cache": None}
+_settings: dict[str, Any] = {"enabled": True, "cache": None, "amx": True}
 _lock = threading.RLock()
 
 
-def configure(enabled: bool = True, cache: Path | None = None) -> None:
-    """Process-wide settings, before the first model loads: use native kernels at all, and where to
-    keep compiled ones (None: ``~/.cache/dflash/kernels``). Changing them forgets a loaded kernel."""
-    if enabled != _settings["enabled"] or cache != _settings["cache"]:
+def configure(enabled: bool = True, cache: Path | None = None, amx: bool = True) -> None:
+    """Process-wide settings, before the first model loads: use native kernels at all, where to
+    keep compiled ones (None: ``~/.cache/dflash/kernels``), and whether their AMX paths may run
+    where the CPU has them (the CLI's ``DFLASH_AMX=0`` says no). Changing them forgets a loaded
+    kernel."""
+    if enabled != _settings["enabled"] or cache != _settings["cache"] or amx != _settings["amx"]:
         _loaded.clear()
         _why_not.clear()
-    _settings.update(enabled=enabled, cache=cache)
+    _settings.update(enabled=enabled, cache=cache, amx=amx)
 
 
-def settings() -> tuple[bool, Path | None]:
-    """The process-wide settings ``configure`` took: (enabled, cache), e.g. to restore them."""
-    return bool(_settings["enabled"]), _settings["cache"]
+def settings() -> tuple[bool, Path | None, bool]:
+    """The process-wide settings ``configure`` took: (enabled, cache, amx), e.g. to restore them."""
+    return bool(_settings["enabled"]), _settings["cache"], bool(_settings["amx"])
 
 
 def cache_dir() -> Path:
@@ -177,6 +179,12 @@ def _library() -> ctypes.CDLL | None:
         why = "switched off: DFLASH_NATIVE=0" if not _settings["enabled"] else _cpu_ok()
         if why is None:
             lib, why = _load(cache_dir() / f"gemm-{_source_key()}.so")
+        if lib is not None:  # the AMX paths as the settings say, then the int8 path chosen again
+            allow, choose = lib.dflash_amx_allow, lib.dflash_int8_isa
+            allow.restype, allow.argtypes = ctypes.c_int, [ctypes.c_int]
+            choose.restype, choose.argtypes = ctypes.c_int, [ctypes.c_int]
+            allow(1 if _settings["amx"] else 0)
+            choose(-1)
         if why is not None:
             _why_not["lib"] = why
         _loaded["lib"] = lib

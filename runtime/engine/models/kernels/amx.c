@@ -104,10 +104,13 @@ VAMX static int probe_tiles(void) {
     return 1;
 }
 
-static int amx_state = -1; /* -1 = not asked yet */
+static int amx_state = -1; /* the probe's answer: -1 = not asked yet */
+static int amx_allowed = 1;  /* dflash_amx_allow */
 
-/* 1 where this CPU, kernel and build run the AMX path (checked once, see the top of this file). */
+/* 1 where this CPU, kernel and build run the AMX path (probed once, see the top of this file) and
+ * the process allows it. */
 int dflash_bf16amx_supported(void) {
+    if (!amx_allowed) return 0;
     if (amx_state >= 0) return amx_state;
     amx_state = 0;
     if (!cpu_has_amx()) return 0;
@@ -371,6 +374,7 @@ int dflash_int8amx_gemm(const int16_t *xq, int64_t M, int64_t Kp, const int8_t *
     return 0;
 }
 #else
+static int amx_allowed = 1;
 int dflash_bf16amx_supported(void) { return 0; }
 int dflash_int8amx_supported(void) { return 0; }
 int dflash_int8amx_gemm(const int16_t *xq, int64_t M, int64_t Kp, const int8_t *w, int64_t K, const float *xs,
@@ -379,6 +383,14 @@ int dflash_int8amx_gemm(const int16_t *xq, int64_t M, int64_t Kp, const int8_t *
     return 1;
 }
 #endif
+
+/* Allow (1) or forbid (0) the AMX paths in this process (the CLI's DFLASH_AMX=0 forbids them); returns
+ * whether they run now. Call it before the first GEMM: the int8 kernel picks its path once
+ * (dflash_int8_isa). */
+int dflash_amx_allow(int allow) {
+    amx_allowed = allow != 0;
+    return dflash_bf16amx_supported();
+}
 
 /* x [M, K] float32 row-major (rounded to bf16 here), w [N, K] bfloat16 bits row-major, bias [N] float32
  * or NULL, y [M, N]. Returns 0, or -1 when the activation buffer cannot be allocated. */

@@ -71,6 +71,7 @@ SYMBOLS = (
     "dflash_bf16dp_supported",
     "dflash_bf16dp_gemm",
     "dflash_bf16amx_supported",
+    "dflash_amx_allow",
     "dflash_bf16amx_gemm",
     "dflash_f32_gemm",
     "dflash_layers",
