@@ -279,11 +279,9 @@ def test_doctor_shows_the_choice_and_the_times(tmp_path, monkeypatch):
     assert "verify rows differ" in check.message and "L24:" in check.message
 
 
-def test_the_library_builds_and_runs_without_the_avx512bf16_path(tmp_path):
-    """A compiler without AVX-512-BF16 intrinsics (GCC < 10, clang < 9; forced here with
-    -DHAVE_BF16DP=0) still builds the kernels: the path reports itself unsupported and its entry
-    point computes what dflash's float32-activation kernel computes (never an illegal instruction);
-    the AMX entry point, which falls back to it, too."""
+def _library_built_with(tmp_path, define: str):
+    """The kernels compiled into ``tmp_path`` with one more ``-D`` (as an older compiler builds them),
+    loaded; skipped where they do not build here."""
     import ctypes
     import subprocess
 
@@ -291,10 +289,18 @@ def test_the_library_builds_and_runs_without_the_avx512bf16_path(tmp_path):
     if cc is None or kernels._cpu_ok() is not None:
         pytest.skip(f"the native kernels do not build here: {kernels._cpu_ok() or 'no C compiler'}")
     lib_path = tmp_path / "gemm.so"
-    cmd = [cc, *kernels.FLAGS, "-DHAVE_BF16DP=0", *(str(s) for s in kernels.SOURCES), "-o", str(lib_path)]
+    cmd = [cc, *kernels.FLAGS, define, *(str(s) for s in kernels.SOURCES), "-o", str(lib_path)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    lib = ctypes.CDLL(str(lib_path))
+    return ctypes.CDLL(str(lib_path))
+
+
+def test_the_library_builds_and_runs_without_the_avx512bf16_path(tmp_path):
+    """A compiler without AVX-512-BF16 intrinsics (GCC < 10, clang < 9; forced here with
+    -DHAVE_BF16DP=0) still builds the kernels: the path reports itself unsupported and its entry
+    point computes what dflash's float32-activation kernel computes (never an illegal instruction);
+    the AMX entry point, which falls back to it, too."""
+    lib = _library_built_with(tmp_path, "-DHAVE_BF16DP=0")
     assert lib.dflash_bf16dp_supported() == 0
     wrap = kernels._wrap_float(torch.bfloat16, returns_rc=True)
     dp, plain = wrap(lib.dflash_bf16dp_gemm), kernels._wrap_float(torch.bfloat16)(lib.dflash_bf16_gemm)
@@ -309,17 +315,7 @@ def test_the_library_builds_and_runs_without_the_amx_path(tmp_path):
     """A compiler without AMX intrinsics (GCC < 11, clang < 12; forced here with -DHAVE_AMX=0) still
     builds the kernels: the AMX path reports itself unsupported and its entry point computes what the
     AVX-512-BF16 entry point computes (never an illegal instruction)."""
-    import ctypes
-    import subprocess
-
-    cc = kernels._compiler()
-    if cc is None or kernels._cpu_ok() is not None:
-        pytest.skip(f"the native kernels do not build here: {kernels._cpu_ok() or 'no C compiler'}")
-    lib_path = tmp_path / "gemm.so"
-    cmd = [cc, *kernels.FLAGS, "-DHAVE_AMX=0", *(str(s) for s in kernels.SOURCES), "-o", str(lib_path)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    lib = ctypes.CDLL(str(lib_path))
+    lib = _library_built_with(tmp_path, "-DHAVE_AMX=0")
     assert lib.dflash_bf16amx_supported() == 0
     wrap = kernels._wrap_float(torch.bfloat16, returns_rc=True)
     amx, dp = wrap(lib.dflash_bf16amx_gemm), wrap(lib.dflash_bf16dp_gemm)
