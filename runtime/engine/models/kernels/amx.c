@@ -28,8 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-int dflash_bf16dp_gemm(const float *x, int64_t M, int64_t K, const uint16_t *w, const float *bias, int64_t N,
-                       float *y, int threads);
+#include "kernels.h"
 
 #ifndef HAVE_AMX /* -DHAVE_AMX=0 builds the fallback only (as an older compiler does) */
 #if defined(__linux__) && defined(__x86_64__) &&                                                          \

@@ -1,4 +1,5 @@
-"""Building, caching and checking the native kernels' shared library (``gemm.c``, ``layers.c``, ``q4.c``).
+"""Building, caching and checking the native kernels' shared library (``gemm.c``, ``layers.c``, ``q4.c``,
+``amx.c``; ``kernels.h`` declares what they call in one another).
 
 The library is compiled with the system C compiler into the cache folder the package is configured
 with, keyed by a hash of the source and flags. Beside it a build record (its sha256, the source and
@@ -27,6 +28,7 @@ SOURCES = (
     Path(__file__).with_name("q4.c"),
     Path(__file__).with_name("amx.c"),
 )
+HEADERS = (Path(__file__).with_name("kernels.h"),)  # included by the sources: part of the source key
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
 
 
@@ -114,7 +116,8 @@ def _build(dest: Path) -> str | None:
 
 
 def _source_hash() -> str:
-    return hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES) + " ".join(FLAGS).encode()).hexdigest()
+    code = b"".join(src.read_bytes() for src in (*SOURCES, *HEADERS))
+    return hashlib.sha256(code + " ".join(FLAGS).encode()).hexdigest()
 
 
 def _source_key() -> str:

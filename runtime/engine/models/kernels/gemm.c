@@ -31,6 +31,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "kernels.h"
+
 /* Input rows per pass over the weights. Each weight row stays in L1 while the rows of a pass use it,
  * and a pass's rows (MBLOCK x K activations: 112 KB of int16 at K = 896, 608 KB at K = 4864) stay
  * in L2 across weight rows; without passes a long prompt streams all its rows from L3 or memory
@@ -428,10 +430,6 @@ V512 static void int8_rows512(const int8_t *w, int64_t K, const int16_t *xq, int
 /* Which int8 path runs: -1 = not chosen yet, 0 = AVX2, 1 = AVX-512 VNNI, 2 = AMX tiles (amx.c) for
  * calls of many rows (see INT8_AMX_M), AVX-512 VNNI for fewer. */
 static int int8_isa = -1;
-
-int dflash_int8amx_supported(void);
-int dflash_int8amx_gemm(const int16_t *xq, int64_t M, int64_t Kp, const int8_t *w, int64_t K, const float *xs,
-                        const float *scale, const float *bias, int64_t N, float *y, int threads);
 
 /* Rows from which the AMX path takes a call: INT8_AMX_M, or INT8_AMX_WIDE_M where N >= INT8_AMX_WIDE_N
  * (an output head). Measured on a 2-core Xeon with AMX, 2 threads, the embedded target's weights

@@ -25,18 +25,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-int dflash_int8_gemm(const float *x, int64_t M, int64_t K, const int8_t *w, const float *scale, const float *bias,
-                     int64_t N, float *y, int threads);
-void dflash_bf16_gemm(const float *x, int64_t M, int64_t K, const uint16_t *w, const float *bias, int64_t N, float *y,
-                      int threads);
-void dflash_f32_gemm(const float *x, int64_t M, int64_t K, const float *w, const float *bias, int64_t N, float *y,
-                     int threads);
-int dflash_bf16dp_gemm(const float *x, int64_t M, int64_t K, const uint16_t *w, const float *bias, int64_t N, float *y,
-                       int threads);
-int dflash_bf16amx_gemm(const float *x, int64_t M, int64_t K, const uint16_t *w, const float *bias, int64_t N, float *y,
-                        int threads);
-int dflash_q4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, const uint16_t *sm, const float *bias,
-                   int64_t N, float *y, int threads);
+#include "kernels.h"
 
 /* One projection: weights [N, K] (int8 with one scale per row, bf16 or float32), bias [N] or NULL. */
 typedef struct {

@@ -32,6 +32,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
+
 #ifndef Q4_MBLOCK
 #define Q4_MBLOCK 64 /* input rows per pass over the weights (see MBLOCK in gemm.c) */
 #endif
@@ -41,8 +43,6 @@
 #define Q4_XMAX 16383.0f /* 2 * 15 * 16383 * 2 per int32 lane and group: far from overflow */
 #define AI __attribute__((always_inline))
 
-float dflash_absmax(const float *r, int64_t n);                            /* gemm.c */
-int64_t dflash_round_i16(const float *r, int64_t n, float inv, int16_t *q); /* gemm.c */
 
 /* Activations of one call: xq [M, Kp] int16 with each pair of groups laid out as the weights unpack,
  * [g k0-15][g+1 k0-15][g k16-31][g+1 k16-31] (Kp = 64 * ceil(G / 2), a lone last group zero-padded);
