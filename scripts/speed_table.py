@@ -33,6 +33,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -215,6 +216,18 @@ def dflash_rows(args: argparse.Namespace, prompt_texts: list[str]) -> list[dict[
     return rows
 
 
+def rotated(rounds: int, sides: list[Any], run: Callable[[Any, int], Any]) -> dict[Any, list[Any]]:
+    """``run(side, i)`` for every side back to back in each round i, the order rotated by one each
+    round, so a shared machine's drift over the run falls on every side alike: side -> results in
+    round order."""
+    out: dict[Any, list[Any]] = {side: [] for side in sides}
+    for i in range(rounds):
+        k = i % len(sides)
+        for side in sides[k:] + sides[:k]:
+            out[side].append(run(side, i))
+    return out
+
+
 def interleaved_rows(args: argparse.Namespace, prompt_texts: list[str]) -> list[dict[str, Any]]:
     """llama.cpp and dflash rows measured side by side: the i-th ``--gguf`` is paired with the i-th
     dflash configuration (``--quantize`` order, float weights in the first of ``--float-dtypes``); the
@@ -239,10 +252,11 @@ def interleaved_rows(args: argparse.Namespace, prompt_texts: list[str]) -> list[
             for n in args.prefill:
                 server.prefill(n)
                 runner.prefill(prefill_text(), n)  # warm-ups
-                got: dict[str, list[float]] = {"llama": [], "dflash": []}
-                for r in range(PREFILL_RUNS):
-                    for who in ("llama", "dflash") if r % 2 == 0 else ("dflash", "llama"):
-                        got[who].append(server.prefill(n) if who == "llama" else runner.prefill(prefill_text(), n))
+
+                def read(who: str, _: int, n: int = n, r: Runner = runner) -> float:
+                    return float(server.prefill(n) if who == "llama" else r.prefill(prefill_text(), n))
+
+                got = rotated(PREFILL_RUNS, ["llama", "dflash"], read)
                 rows.append({"engine": "llama.cpp", "weights": name, "prefill": n, "tok_s": got["llama"]})
                 rows.append(
                     {
@@ -262,16 +276,12 @@ def interleaved_rows(args: argparse.Namespace, prompt_texts: list[str]) -> list[
             server.chat(prompt_texts[0])
             for m in methods:
                 runner.run(m, 0)  # warm-ups
-            timings: list[dict[str, Any]] = []
-            results: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
-            for i, text in enumerate(prompt_texts):
-                k = i % len(engines)
-                for who in engines[k:] + engines[:k]:
-                    if who == "llama":
-                        timings.append(server.chat(text))
-                    else:
-                        results[who].append(runner.run(who, i))
-            llama = _llama_row(name, "plain", timings)
+
+            def decode(who: str, i: int, r: Runner = runner) -> dict[str, Any]:
+                return dict(server.chat(prompt_texts[i]) if who == "llama" else r.run(who, i))
+
+            results = rotated(len(prompt_texts), engines, decode)
+            llama = _llama_row(name, "plain", results["llama"])
             rows.append(llama)
             for m in methods:
                 row = _row(config["engine"], runner.label, m, results[m], results.get("ar"))
@@ -337,12 +347,11 @@ def ab_rows(args: argparse.Namespace, prompt_texts: list[str]) -> tuple[list[dic
             for method in _methods(args):
                 for w in workers:
                     w.run(method, 0)  # warm-up
-                results: list[list[dict[str, Any]]] = [[], []]
-                for i in range(len(prompt_texts)):
-                    order = (0, 1) if i % 2 == 0 else (1, 0)
-                    got = {k: workers[k].run(method, i) for k in order}
-                    for k in (0, 1):
-                        results[k].append(got[k])
+
+                def decode(k: int, i: int, m: str = method, ws: list[_Worker] = workers) -> dict[str, Any]:
+                    return ws[k].run(m, i)
+
+                results = rotated(len(prompt_texts), [0, 1], decode)
                 for k, rows in ((0, before), (1, after)):
                     ar[k] = results[k] if method == "ar" else ar[k]
                     rows.append(_row(config["engine"], label, method, results[k], ar[k]))
