@@ -141,7 +141,8 @@ VAMX static void pack_rows(const float *x, int64_t m0, int64_t mb, int64_t K, in
     }
 }
 
-/* A C tile (16 weight rows n0.. x 16 input rows m0..) into y [., N]: the rows below nlim and mlim. */
+/* A C tile (16 weight rows n0.. x 16 input rows m0..) into y [., N]: weight rows from nfrom on, input rows
+ * below mlim. */
 static void store_tile(const float *c, int64_t n0, int64_t nfrom, int64_t m0, int64_t mlim, int64_t N,
                        const float *bias, float *y) {
     for (int64_t r = nfrom - n0; r < 16; r++) {
