@@ -22,7 +22,6 @@ from runtime.engine.models.kernels.choice import Candidate, Timing, cached_choic
 from tests.fakes import greedy_pair, tiny_target_config
 
 PATHS = ("dflash-avx2", "dflash-avx512bf16", "dflash-amx")
-_KERNELS = {"dflash-avx2": "bf16_gemm", "dflash-avx512bf16": "bf16dp_gemm", "dflash-amx": "bf16amx_gemm"}
 _LACKS = {
     "dflash-avx512bf16": "this CPU has no AVX-512-BF16 (cpuid), or the compiler no intrinsics for it",
     "dflash-amx": "no AMX-BF16 here (cpuid), Linux did not grant the tile state, the probe tile failed, or the compiler has no AMX intrinsics",
@@ -30,7 +29,7 @@ _LACKS = {
 
 
 def _path_fn(path: str):
-    fn = getattr(kernels, _KERNELS[path])()
+    fn = linear._bf16_kernel(path)
     if fn is None:
         why = kernels.why_not() or _LACKS[path]
         pytest.skip(f"{path} does not run here: {why}")

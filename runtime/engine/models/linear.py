@@ -79,8 +79,13 @@ def _int8_parts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
 # The bf16 paths (``runtime.engine.models.kernels.choice.PATHS``): dflash's kernels take float32 activations
 # (the AVX-512-BF16 one rounds them to bf16 itself), oneDNN's packed GEMM bf16 activations.
 DFLASH_BF16_PATHS = ("dflash-avx2", "dflash-avx512bf16", "dflash-amx")
-# the weights' kind in ``kernels.Proj`` (the native layers) on each of dflash's bf16 paths
-_BF16_NATIVE_KIND = {"dflash-avx2": 0, "dflash-avx512bf16": 3, "dflash-amx": 5}
+# Each of dflash's bf16 paths: its GEMM (the name of the ``kernels`` getter and of the
+# ``torch.ops.dflash`` custom operator alike) and the weights' kind in ``kernels.Proj`` (native layers).
+_BF16_GEMMS = {
+    "dflash-avx2": ("bf16_gemm", 0),
+    "dflash-avx512bf16": ("bf16dp_gemm", 3),
+    "dflash-amx": ("bf16amx_gemm", 5),
+}
 ONEDNN_BF16 = "onednn-bf16"
 _process: dict[str, str | None] = {}  # "bf16": the path this process chose (choose_bf16)
 
@@ -122,13 +127,9 @@ def _bf16_kernel(path: str | None) -> Any:
     """dflash's GEMM of a bf16 path (None for oneDNN's, or where it does not run)."""
     from runtime.engine.models import kernels
 
-    if path == "dflash-avx2":
-        return kernels.bf16_gemm()
-    if path == "dflash-avx512bf16":
-        return kernels.bf16dp_gemm()
-    if path == "dflash-amx":
-        return kernels.bf16amx_gemm()
-    return None
+    if path not in _BF16_GEMMS:
+        return None
+    return getattr(kernels, _BF16_GEMMS[path][0])()
 
 
 def _native_bf16() -> Any:
@@ -267,7 +268,7 @@ class FusedLinear:
             return 1
         if self.f32 is not None:
             return 2
-        return _BF16_NATIVE_KIND.get(self.bf16_path or "", 0)
+        return _BF16_GEMMS[self.bf16_path][1] if self.bf16_path in _BF16_GEMMS else 0
 
     @staticmethod
     def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -349,12 +350,9 @@ class FusedLinear:
             y = ops.q4_gemm(x.float().contiguous(), self.weight, self.scale, self.bias).to(x.dtype)
         elif self.native is not None:
             y = ops.int8_gemm(x.float().contiguous(), self.weight, self.scale, self.bias).to(x.dtype)
-        elif self.bf16 is not None and self.bf16_path == "dflash-avx512bf16":
-            y = ops.bf16dp_gemm(x.float().contiguous(), self.weight, self.bias).to(x.dtype)
-        elif self.bf16 is not None and self.bf16_path == "dflash-amx":
-            y = ops.bf16amx_gemm(x.float().contiguous(), self.weight, self.bias).to(x.dtype)
         elif self.bf16 is not None:
-            y = ops.bf16_gemm(x.float().contiguous(), self.weight, self.bias).to(x.dtype)
+            op = getattr(ops, _BF16_GEMMS[self.bf16_path or "dflash-avx2"][0])
+            y = op(x.float().contiguous(), self.weight, self.bias).to(x.dtype)
         elif self.f32 is not None:
             y = ops.f32_linear(x.contiguous(), self.weight, self.bias)
         else:

@@ -152,7 +152,8 @@ _ISAS = ("avx2", "avx512vnni", "amx")
 
 def int8_isa(want: str | None = None) -> str:
     """The int8 kernel's instruction set: "avx2", "avx512vnni" where the CPU has AVX-512 VNNI, or
-    "amx" where AMX-INT8 runs too (tiles for calls of two rows or more, VNNI for one): the best
+    "amx" where AMX-INT8 runs too (tiles for calls of many rows, VNNI for fewer: gemm.c's
+    INT8_AMX_M): the best
     this CPU has by default. ``want`` switches it for this process ("avx2", "avx512vnni", "amx" or
     "best"; one the CPU lacks falls back to the best below it); all compute the same integer sums,
     so results do not change. "off" where the library does not run."""

@@ -61,15 +61,18 @@ typedef struct {
     uint8_t rows[16];
 } __attribute__((packed, aligned(64))) TileConfig;
 
-/* Every tile used is 16 rows of 64 bytes: C (tmm0-3) 16 x 16 float32, A (tmm4-5) 16 weight rows x 32
- * bf16, B (tmm6-7) 16 k pairs x 16 input rows x 2 bf16. */
-static void tile_config(TileConfig *c) {
-    memset(c, 0, sizeof *c);
-    c->palette = 1;
+/* Load this thread's tile configuration: every tile used is 16 rows of 64 bytes: C (tmm0-3) 16 x 16
+ * sums, A (tmm4-5) 16 weight rows x 64 bytes, B (tmm6-7) 16 rows of k pairs (bf16) or quads (int8)
+ * x 16 input rows. */
+VAMX static void load_tile_config(void) {
+    TileConfig c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
     for (int i = 0; i < 8; i++) {
-        c->colsb[i] = 64;
-        c->rows[i] = 16;
+        c.colsb[i] = 64;
+        c.rows[i] = 16;
     }
+    _tile_loadconfig(&c);
 }
 
 static int cpu_has_amx(void) {
@@ -83,15 +86,13 @@ static int cpu_has_amx(void) {
 
 /* One tile product in this process: 16 x 16 sums of 32 products of 1.0 x 2.0; 1 where all are 64. */
 VAMX static int probe_tiles(void) {
-    TileConfig cfg;
-    tile_config(&cfg);
     static uint16_t a[16 * 32], b[16 * 32];
     static float out[16 * 16];
     for (int i = 0; i < 16 * 32; i++) {
         a[i] = 0x3F80; /* 1.0 */
         b[i] = 0x4000; /* 2.0 */
     }
-    _tile_loadconfig(&cfg);
+    load_tile_config();
     _tile_zero(0);
     _tile_loadd(4, a, 64);
     _tile_loadd(6, b, 64);
@@ -190,9 +191,7 @@ VAMX static void amx_small(const uint32_t *xp, int64_t M, int64_t K, const uint1
     const int64_t stride = K * 2;
 #pragma omp parallel num_threads(threads)
     {
-        TileConfig cfg;
-        tile_config(&cfg);
-        _tile_loadconfig(&cfg);
+        load_tile_config();
         float c[2][256];
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < pairs; g++) {
@@ -224,14 +223,12 @@ VAMX static void amx_pass(const uint32_t *xp, int64_t m0, int64_t mb, int64_t Mp
     const int64_t stride = K * 2, bstride = Mp * 4;
 #pragma omp parallel num_threads(threads)
     {
-        TileConfig cfg;
-        tile_config(&cfg);
-        _tile_loadconfig(&cfg);
+        load_tile_config();
         float c[4][256];
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < pairs; g++) {
             const int64_t t0 = g * 2, two_n = t0 + 1 < blocks;
-            const uint16_t *wa = w + block_row(t0, N) * K, *wb = w + block_row(t0 + 1 < blocks ? t0 + 1 : t0, N) * K;
+            const uint16_t *wa = w + block_row(t0, N) * K, *wb = w + block_row(two_n ? t0 + 1 : t0, N) * K;
             for (int64_t j = 0; j < mpairs; j++) {
                 const int64_t c0 = j * 32, two_m = c0 + 16 < Mp;
                 const uint32_t *xa = xp + c0, *xb = xp + (two_m ? c0 + 16 : c0);
@@ -308,9 +305,7 @@ VAMX static void amx_int8_pass(const int8_t *hi, const uint8_t *lo, int64_t m0, 
     const int64_t blocks = (N + 15) / 16, pairs = (blocks + 1) / 2, bstride = Mp * 4;
 #pragma omp parallel num_threads(threads)
     {
-        TileConfig cfg;
-        tile_config(&cfg);
-        _tile_loadconfig(&cfg);
+        load_tile_config();
         int32_t c[4][256];
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < pairs; g++) {
